@@ -1,0 +1,207 @@
+"""The `pdserve` command: one entry point, a subcommand per role or tool.
+
+Heavy imports (vLLM, torch, transformers) happen inside the subcommand that needs them,
+so `pdserve bench ...` and `pdserve plan ...` run on the base install.
+Every failure the user can fix is one line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from serve.errors import PdserveError
+
+DEFAULT_HOST = os.environ.get("PDSERVE_HOST", "127.0.0.1")
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise PdserveError(f"{name}={raw!r} is not a number") from None
+
+
+def _add_model_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=os.environ.get("PDSERVE_MODEL"),
+                   help="local Hugging Face model directory, hub id, or the embedded model's name "
+                        "(default: the embedded smollm2-135m-instruct; env PDSERVE_MODEL)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name clients put in `model` (default: derived from --model)")
+
+
+def _add_log_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "info"),
+                   choices=["debug", "info", "warning", "error"], help="log level (default: info)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving on vLLM.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    w = sub.add_parser(
+        "worker", help="run one vLLM engine as a worker",
+        description="Run one worker process owning one vLLM AsyncLLM engine. Options not listed here are "
+                    "vLLM engine arguments and are passed through verbatim (e.g. --max-num-seqs 16 "
+                    "--kv-cache-dtype fp8 --max-model-len 4096 --tensor-parallel-size 1).",
+    )
+    w.add_argument("--role", choices=["agg"], default="agg", help="worker role (default: agg)")
+    w.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: 127.0.0.1; env PDSERVE_HOST)")
+    w.add_argument("--port", type=int, default=8100, help="HTTP port (default: 8100)")
+    w.add_argument("--advertise-host", default=os.environ.get("PDSERVE_ADVERTISE_HOST"),
+                   help="host others should dial (default: --host; env PDSERVE_ADVERTISE_HOST)")
+    w.add_argument("--frontend", action="append", default=[], metavar="URL",
+                   help="frontend to register with and renew a lease at (repeatable)")
+    w.add_argument("--lease-seconds", type=float, default=10.0, help="registration lease (default: 10)")
+    w.add_argument("--worker-id", default=os.environ.get("PDSERVE_WORKER_ID"),
+                   help="stable worker identity (default: role + random suffix; env PDSERVE_WORKER_ID)")
+    w.add_argument("--cpu-cores", default=os.environ.get("PDSERVE_CPU_CORES"),
+                   help="CPU cores to pin the engine to, e.g. '0' or '0-1' (default: vLLM's automatic binding; "
+                        "env PDSERVE_CPU_CORES)")
+    w.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="CPU KV cache size in GiB (default: 1; env PDSERVE_KV_CACHE_GIB)")
+    _add_model_arg(w)
+    _add_log_arg(w)
+
+    f = sub.add_parser("frontend", help="run the OpenAI-compatible frontend")
+    f.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: 127.0.0.1; env PDSERVE_HOST)")
+    f.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+    f.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="static worker URL (repeatable); workers may also register themselves")
+    f.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take in all (default: 600)")
+    f.add_argument("--worker-read-timeout", type=float, default=120.0,
+                   help="seconds to wait for the next token from a worker (default: 120)")
+    _add_model_arg(f)
+    _add_log_arg(f)
+
+    u = sub.add_parser("up", help="start a frontend and workers on this machine")
+    u.add_argument("--host", default=DEFAULT_HOST, help="bind address for every process (default: 127.0.0.1)")
+    u.add_argument("--port", type=int, default=8000, help="frontend port (default: 8000)")
+    u.add_argument("--advertise-host", default=None, help="host others should dial (default: --host)")
+    u.add_argument("--mode", choices=["agg"], default="agg", help="serving mode (default: agg)")
+    u.add_argument("--workers", type=int, default=1, help="number of aggregated workers (default: 1)")
+    u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
+    u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
+    u.add_argument("--ready-timeout", type=float, default=180.0,
+                   help="seconds to wait for every process to become ready (default: 180)")
+    _add_model_arg(u)
+    _add_log_arg(u)
+
+    m = sub.add_parser("model", help="prepare models")
+    msub = m.add_subparsers(dest="model_command", metavar="ACTION")
+    mp = msub.add_parser("prepare", help="convert the embedded model into a Hugging Face directory (once)")
+    mp.add_argument("--force", action="store_true", help="convert again even if present")
+    msub.add_parser("path", help="print the embedded model's directory")
+
+    return parser
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from serve.engine import apply_environment, cpu_environment
+    from serve.model import resolve_model, served_name
+
+    kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else _env_float("PDSERVE_KV_CACHE_GIB", 1.0)
+    apply_environment(cpu_environment(args.advertise_host or args.host, args.cpu_cores, kv_gib))
+    model = resolve_model(args.model)
+    name = args.served_model_name or served_name(args.model)
+
+    import uvicorn
+
+    from serve.engine import parse_engine_args
+    from serve.worker import Worker, WorkerSettings, build_app
+
+    engine_args = parse_engine_args(model, passthrough, name)
+    settings = WorkerSettings(
+        role=args.role, host=args.host, port=args.port, advertise_host=args.advertise_host,
+        frontends=args.frontend, lease_seconds=args.lease_seconds, worker_id=args.worker_id,
+        model=model, served_model_name=name,
+    )
+    app = build_app(Worker(settings, engine_args))
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=int(settings.graceful_timeout_s))
+    return 0
+
+
+def cmd_frontend(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from serve.frontend.app import build_app
+    from serve.frontend.settings import FrontendSettings
+    from serve.model import resolve_model, served_name
+
+    settings = FrontendSettings(
+        model=resolve_model(args.model), served_model_name=args.served_model_name or served_name(args.model),
+        static_workers=args.worker, request_timeout_s=args.request_timeout,
+        worker_read_timeout_s=args.worker_read_timeout,
+    )
+    uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level,
+                access_log=False, timeout_graceful_shutdown=30)
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from serve.launcher import Launcher, UpSettings
+
+    settings = UpSettings(
+        host=args.host, port=args.port, advertise_host=args.advertise_host, workers=args.workers,
+        worker_base_port=args.worker_base_port, model=args.model, served_model_name=args.served_model_name,
+        kv_cache_gib=args.kv_cache_gib, ready_timeout_s=args.ready_timeout, log_level=args.log_level,
+    )
+    return Launcher(settings).run()
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    from serve.model import embedded_model_dir, prepare_embedded_model
+
+    if args.model_command == "prepare":
+        print(prepare_embedded_model(force=args.force))
+        return 0
+    if args.model_command == "path":
+        print(embedded_model_dir())
+        return 0
+    raise PdserveError("usage: pdserve model prepare|path")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0] == "worker":
+        args, passthrough = parser.parse_known_args(argv)
+    else:
+        args, passthrough = parser.parse_args(argv), []
+    if args.command is None:
+        parser.print_help()
+        return 2
+    if hasattr(args, "log_level"):
+        _logging(args.log_level)
+    try:
+        if args.command == "worker":
+            return cmd_worker(args, passthrough)
+        if args.command == "frontend":
+            return cmd_frontend(args)
+        if args.command == "up":
+            return cmd_up(args)
+        if args.command == "model":
+            return cmd_model(args)
+    except PdserveError as exc:
+        print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

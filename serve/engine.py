@@ -1,0 +1,89 @@
+"""Building a vLLM AsyncLLM engine for a worker, with this machine's CPU settings.
+
+Only the worker process imports this module (it imports vLLM). The CPU environment must
+be in place before vLLM is imported, so `cpu_environment` is applied by the CLI first.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from serve.errors import ConfigError
+
+
+def cpu_environment(host_ip: str, cpu_cores: str | None, kv_cache_gib: float) -> dict[str, str]:
+    """The environment a CPU vLLM engine needs here (see shared/platform.md).
+
+    - VLLM_HOST_IP: otherwise vLLM picks a non-loopback address.
+    - VLLM_CPU_KVCACHE_SPACE: otherwise the KV cache is sized from total RAM.
+    - VLLM_CPU_OMP_THREADS_BIND: pin the engine to its own core(s); vLLM's automatic
+      binding spreads one worker over both cores and runs ~10x slower with a KV connector.
+    """
+    env = {
+        "VLLM_HOST_IP": host_ip,
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_DO_NOT_TRACK": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    if cpu_cores and cpu_cores != "auto":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_cores
+    return env
+
+
+def apply_environment(env: dict[str, str]) -> None:
+    for key, value in env.items():
+        os.environ[key] = value
+
+
+@dataclass
+class EngineStats:
+    """Latest scheduler view of the engine, fed by `StatsCollector`."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_engine_args(model: str, passthrough: list[str], served_model_name: str) -> Any:
+    """vLLM's own engine arguments, parsed from the worker's extra flags verbatim."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(prog="pdserve worker (vLLM engine arguments)")
+    parser = AsyncEngineArgs.add_cli_args(parser)
+    try:
+        ns = parser.parse_args(["--model", model, "--served-model-name", served_model_name, *passthrough])
+    except SystemExit as exc:
+        raise ConfigError(f"invalid vLLM engine arguments: {' '.join(passthrough)}") from exc
+    return AsyncEngineArgs.from_cli_args(ns)
+
+
+def stats_logger_factory(stats: EngineStats) -> Any:
+    """A vLLM stat-logger factory that copies scheduler stats into `stats`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class StatsCollector(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            self.engine_index = engine_index
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            stats.running = scheduler_stats.num_running_reqs
+            stats.waiting = scheduler_stats.num_waiting_reqs
+            stats.kv_usage = scheduler_stats.kv_cache_usage
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return StatsCollector
+
+
+def start_engine(engine_args: Any, stats: EngineStats) -> Any:
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(engine_args, stat_loggers=[stats_logger_factory(stats)])

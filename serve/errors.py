@@ -1,0 +1,32 @@
+"""Errors of the serve package.
+
+    PdserveError                 root: every error pdserve raises on purpose
+    ├── ConfigError              bad flags or settings (one line at the CLI)
+    ├── ModelError               model cannot be found or prepared
+    └── WorkerError              a worker failed, timed out or is unreachable
+        └── NoWorkerAvailable    no healthy worker to route to (HTTP 503)
+
+The frontend maps these to the OpenAI error envelope at the HTTP edge only.
+"""
+
+from __future__ import annotations
+
+
+class PdserveError(Exception):
+    """Root of pdserve's own errors."""
+
+
+class ConfigError(PdserveError):
+    pass
+
+
+class ModelError(PdserveError):
+    pass
+
+
+class WorkerError(PdserveError):
+    pass
+
+
+class NoWorkerAvailable(WorkerError):
+    pass

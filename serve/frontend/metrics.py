@@ -1,0 +1,36 @@
+"""Frontend Prometheus metrics, Dynamo-like names under `pdserve_frontend_`.
+
+One registry per frontend instance (no module globals), rendered at GET /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+TOKEN_BUCKETS = (1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768, 131072)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pdserve_frontend_requests", "Requests by endpoint, model and HTTP status",
+                                ["endpoint", "model", "request_type", "status"], registry=r)
+        self.inflight = Gauge("pdserve_frontend_inflight_requests", "Requests being served", registry=r)
+        self.ttft = Histogram("pdserve_frontend_time_to_first_token_seconds", "Time to first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("pdserve_frontend_inter_token_latency_seconds", "Time between output tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram("pdserve_frontend_request_duration_seconds", "Whole request duration",
+                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.isl = Histogram("pdserve_frontend_input_sequence_tokens", "Prompt tokens per request",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.osl = Histogram("pdserve_frontend_output_sequence_tokens", "Output tokens per request",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.cached = Counter("pdserve_frontend_cached_tokens", "Prompt tokens served from a prefix cache",
+                              registry=r)
+        self.workers = Gauge("pdserve_frontend_workers", "Workers in rotation", ["role"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

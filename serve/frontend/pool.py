@@ -1,0 +1,176 @@
+"""The frontend's view of its workers: who they are, whether they are healthy, their load.
+
+Workers come from `--worker URL` (static; their `/info` is fetched) or register
+themselves (`POST /internal/register`, renewed before the lease ends). A poller reads
+every worker's `/load`; a worker that fails `max_poll_failures` polls in a row, or whose
+lease ran out, leaves rotation, and comes back as soon as a poll succeeds again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from router.load import WorkerLoadView, pick_least_loaded
+from serve import protocol as p
+from serve.errors import NoWorkerAvailable
+
+log = logging.getLogger("pdserve.frontend.pool")
+
+
+@dataclass
+class WorkerEntry:
+    url: str
+    info: p.WorkerInfo | None = None
+    static: bool = False
+    lease_expiry: float = float("inf")
+    healthy: bool = False
+    failures: int = 0
+    inflight: int = 0
+    load: p.WorkerLoad | None = None
+
+    @property
+    def in_rotation(self) -> bool:
+        return (self.healthy and self.info is not None and time.monotonic() < self.lease_expiry
+                and not (self.load is not None and self.load.draining))
+
+
+class WorkerPool:
+    def __init__(self, served_model_name: str, static_urls: list[str], poll_interval_s: float,
+                 max_failures: int, client: httpx.AsyncClient) -> None:
+        self.served_model_name = served_model_name
+        self.poll_interval_s = poll_interval_s
+        self.max_failures = max_failures
+        self.client = client
+        self.workers: dict[str, WorkerEntry] = {
+            u.rstrip("/"): WorkerEntry(url=u.rstrip("/"), static=True) for u in static_urls
+        }
+        self.rng = random.Random()
+        self._poller: asyncio.Task | None = None
+        self._decode_info = p.decoder(p.WorkerInfo)
+        self._decode_load = p.decoder(p.WorkerLoad)
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._poller = asyncio.create_task(self._poll_loop())
+
+    async def stop(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+
+    # -- registration -----------------------------------------------------------------
+    def register(self, reg: p.Registration) -> p.RegistrationReply:
+        info = reg.info
+        if info.protocol_version != p.PROTOCOL_VERSION:
+            return p.RegistrationReply(accepted=False, message=(
+                f"worker protocol version {info.protocol_version} != frontend's {p.PROTOCOL_VERSION}"))
+        if info.served_model_name != self.served_model_name:
+            return p.RegistrationReply(accepted=False, message=(
+                f"worker serves {info.served_model_name!r}, this frontend serves {self.served_model_name!r}"))
+        url = info.url.rstrip("/")
+        entry = self.workers.get(url)
+        if entry is None:
+            entry = self.workers[url] = WorkerEntry(url=url)
+            log.info("worker %s (%s) registered at %s", info.worker_id, info.role, url)
+        elif entry.info is not None and entry.info.worker_id != info.worker_id:
+            log.info("worker at %s restarted as %s", url, info.worker_id)
+            entry.failures = 0
+        entry.info = info
+        if not entry.static:
+            entry.lease_expiry = time.monotonic() + reg.lease_seconds
+        if not entry.healthy and entry.failures == 0:
+            entry.healthy = True
+        return p.RegistrationReply(accepted=True)
+
+    def deregister(self, worker_id: str) -> bool:
+        for url, entry in list(self.workers.items()):
+            if entry.info is not None and entry.info.worker_id == worker_id:
+                if entry.static:
+                    entry.healthy = False
+                else:
+                    del self.workers[url]
+                log.info("worker %s deregistered", worker_id)
+                return True
+        return False
+
+    # -- health and load --------------------------------------------------------------
+    async def _poll_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        now = time.monotonic()
+        for url, entry in list(self.workers.items()):
+            if not entry.static and now > entry.lease_expiry + 3 * self.poll_interval_s + 30:
+                log.info("worker at %s dropped: lease expired", url)
+                del self.workers[url]
+        await asyncio.gather(*(self._poll(e) for e in list(self.workers.values())))
+
+    async def _poll(self, entry: WorkerEntry) -> None:
+        try:
+            if entry.info is None:
+                r = await self.client.get(f"{entry.url}/info", timeout=2.0)
+                r.raise_for_status()
+                info = self._decode_info(r.content)
+                if info.served_model_name != self.served_model_name:
+                    raise ValueError(f"serves {info.served_model_name!r}, not {self.served_model_name!r}")
+                entry.info = info
+            r = await self.client.get(f"{entry.url}/load", timeout=2.0)
+            r.raise_for_status()
+            entry.load = self._decode_load(r.content)
+            if entry.info is not None and entry.load.worker_id != entry.info.worker_id:
+                entry.info = None  # restarted behind the same URL: fetch its identity again
+                raise ValueError("worker restarted")
+        except Exception as exc:  # any failure counts; the worker comes back on success
+            entry.failures += 1
+            if entry.healthy and entry.failures >= self.max_failures:
+                entry.healthy = False
+                log.warning("worker at %s left rotation after %d failed polls: %s", entry.url, entry.failures, exc)
+            return
+        if not entry.healthy:
+            log.info("worker at %s in rotation", entry.url)
+        entry.healthy = True
+        entry.failures = 0
+
+    def report_failure(self, url: str) -> None:
+        """A request to this worker failed at the transport level: count it like a failed poll."""
+        entry = self.workers.get(url)
+        if entry is None:
+            return
+        entry.failures += 1
+        if entry.failures >= self.max_failures and entry.healthy:
+            entry.healthy = False
+            log.warning("worker at %s left rotation after %d failures", url, entry.failures)
+
+    # -- choosing -----------------------------------------------------------------------
+    def available(self) -> list[WorkerEntry]:
+        return [e for e in self.workers.values() if e.in_rotation]
+
+    def max_model_len(self) -> int | None:
+        lens = [e.info.max_model_len for e in self.available() if e.info is not None]
+        return min(lens) if lens else None
+
+    def pick(self) -> WorkerEntry:
+        entries = self.available()
+        if not entries:
+            raise NoWorkerAvailable("no worker available")
+        views = [
+            WorkerLoadView(
+                worker_id=e.url,
+                inflight=e.inflight,
+                waiting=e.load.waiting_requests if e.load else 0,
+                kv_usage=e.load.kv_usage if e.load else 0.0,
+            )
+            for e in entries
+        ]
+        chosen = pick_least_loaded(views, self.rng)
+        return self.workers[chosen.worker_id]

