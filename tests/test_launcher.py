@@ -1,0 +1,96 @@
+"""`pdserve up`: starts frontend + workers as processes, and SIGTERM leaves none behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import LOG_DIR, MODEL, ROOT, free_port
+
+pytestmark = pytest.mark.engine
+
+
+def descendants(pid: int) -> set[int]:
+    """All live descendants of `pid`, from /proc (children files list direct children)."""
+    found: set[int] = set()
+    frontier = [pid]
+    while frontier:
+        p = frontier.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = (task / "children").read_text().split()
+            except OSError:
+                continue
+            for k in map(int, kids):
+                if k not in found:
+                    found.add(k)
+                    frontier.append(k)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_up_serves_then_sigterm_leaves_no_process(model_dir):
+    port, wport = free_port(), free_port()
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    log = open(LOG_DIR / f"up-{time.time_ns()}.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve.cli", "up", "--port", str(port), "--workers", "1",
+         "--worker-base-port", str(wport), "--model", model_dir, "--served-model-name", MODEL],
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 420
+        while True:
+            assert proc.poll() is None, Path(log.name).read_text()[-3000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "pdserve up not ready"
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": 20})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        kids = descendants(proc.pid)
+        names = " | ".join(cmdline(k) for k in kids)
+        assert "VLLM::EngineCore" in names or "EngineCore" in names, names
+        assert "frontend" in names and "worker" in names, names
+
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        assert proc.returncode == 0
+        time.sleep(0.5)
+        left = {k: cmdline(k) for k in kids if alive(k)}
+        assert left == {}, f"processes left behind: {left}"
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        log.close()
+    out = Path(log.name).read_text()
+    assert "pdserve is up" in out and "curl" in out
