@@ -50,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "vLLM engine arguments and are passed through verbatim (e.g. --max-num-seqs 16 "
                     "--kv-cache-dtype fp8 --max-model-len 4096 --tensor-parallel-size 1).",
     )
-    w.add_argument("--role", choices=["agg"], default="agg", help="worker role (default: agg)")
+    w.add_argument("--role", choices=["agg", "prefill", "decode"], default="agg",
+                   help="agg: prefill and decode here; prefill: run prompts and hold their KV for a decode "
+                        "worker; decode: pull KV from prefill workers and decode (default: agg)")
     w.add_argument("--host", default=DEFAULT_HOST, help="bind address (default: 127.0.0.1; env PDSERVE_HOST)")
     w.add_argument("--port", type=int, default=8100, help="HTTP port (default: 8100)")
     w.add_argument("--advertise-host", default=os.environ.get("PDSERVE_ADVERTISE_HOST"),
@@ -65,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "env PDSERVE_CPU_CORES)")
     w.add_argument("--kv-cache-gib", type=float, default=None,
                    help="CPU KV cache size in GiB (default: 1; env PDSERVE_KV_CACHE_GIB)")
+    w.add_argument("--kv-transfer", action="store_true",
+                   help="load pdserve's KV connector in an agg worker too (always on for prefill/decode)")
+    w.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="how long a prefill worker holds a finished prompt's KV blocks for its decode worker "
+                        "before freeing them unread (default: 30)")
+    w.add_argument("--kv-transport", choices=["auto", "rdma", "shm", "tcp"], default=os.environ.get("PDSERVE_KV_TRANSPORT", "auto"),
+                   help="UCX transport profile for KV transfer: rdma (the guide's IB/RoCE settings), shm (same "
+                        "host, zero-copy), tcp; auto picks rdma when an InfiniBand device exists, else shm "
+                        "(default: auto; env PDSERVE_KV_TRANSPORT)")
+    w.add_argument("--kv-side-channel-port", type=int, default=0,
+                   help="port of the KV side channel (handshake, acquire/release); 0 picks a free one (default: 0)")
+    w.add_argument("--kv-fault-pause-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     _add_model_arg(w)
     _add_log_arg(w)
 
@@ -121,16 +135,36 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
     from serve.engine import parse_engine_args
     from serve.worker import Worker, WorkerSettings, build_app
 
-    engine_args = parse_engine_args(model, passthrough, name)
+    from serve.engine import kv_transfer_config
+
     settings = WorkerSettings(
         role=args.role, host=args.host, port=args.port, advertise_host=args.advertise_host,
         frontends=args.frontend, lease_seconds=args.lease_seconds, worker_id=args.worker_id,
-        model=model, served_model_name=name,
+        model=model, served_model_name=name, kv_transfer=args.role != "agg" or args.kv_transfer,
     )
+    if settings.kv_transfer:
+        if any(a.startswith("--kv-transfer-config") for a in passthrough):
+            raise PdserveError("--kv-transfer-config is set by pdserve for prefill/decode workers; drop it")
+        from kvtransfer.transport import resolve
+
+        port = args.kv_side_channel_port or _free_port(args.host)
+        engine_id = args.worker_id or f"{args.role}-{os.getpid()}-{port}"
+        passthrough = [*passthrough, "--kv-transfer-config", kv_transfer_config(
+            args.role, engine_id, settings.url.split("//")[1].rsplit(":", 1)[0], port, args.kv_lease_seconds,
+            resolve(args.kv_transport), args.kv_fault_pause_seconds)]
+    engine_args = parse_engine_args(model, passthrough, name)
     app = build_app(Worker(settings, engine_args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=int(settings.graceful_timeout_s))
     return 0
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host if host not in ("0.0.0.0", "::") else "", 0))
+        return s.getsockname()[1]
 
 
 def cmd_frontend(args: argparse.Namespace) -> int:

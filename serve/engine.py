@@ -7,7 +7,8 @@ be in place before vLLM is imported, so `cpu_environment` is applied by the CLI 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from serve.errors import ConfigError
@@ -40,12 +41,16 @@ def apply_environment(env: dict[str, str]) -> None:
 
 @dataclass
 class EngineStats:
-    """Latest scheduler view of the engine, fed by `StatsCollector`."""
+    """Latest scheduler view of the engine, fed by `StatsCollector`.
+
+    `on_kv_stats` receives the KV connector's stats dict (kvtransfer.stats) each time the
+    engine reports one.
+    """
 
     running: int = 0
     waiting: int = 0
     kv_usage: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
+    on_kv_stats: Callable[[dict[str, Any]], None] | None = None
 
 
 COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--compilation-config", "-cc")
@@ -103,6 +108,9 @@ def stats_logger_factory(stats: EngineStats) -> Any:
             stats.running = scheduler_stats.num_running_reqs
             stats.waiting = scheduler_stats.num_waiting_reqs
             stats.kv_usage = scheduler_stats.kv_cache_usage
+            kv = scheduler_stats.kv_connector_stats
+            if kv and stats.on_kv_stats is not None:
+                stats.on_kv_stats(kv)
 
         def log_engine_initialized(self) -> None:
             pass
@@ -114,3 +122,23 @@ def start_engine(engine_args: Any, stats: EngineStats) -> Any:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(engine_args, stat_loggers=[stats_logger_factory(stats)])
+
+
+def kv_transfer_config(role: str, engine_id: str, side_channel_host: str, side_channel_port: int,
+                       lease_seconds: float, transport: str, fault_pause_s: float = 0.0) -> str:
+    """`--kv-transfer-config` JSON that loads pdserve's own connector (kvtransfer.connector)."""
+    import json
+
+    extra = {"engine_id": engine_id, "side_channel_host": side_channel_host,
+             "side_channel_port": side_channel_port, "lease_seconds": lease_seconds, "transport": transport}
+    if fault_pause_s:
+        extra["fault_pause_s"] = fault_pause_s
+    return json.dumps({
+        "kv_connector": "PdConnector",
+        "kv_connector_module_path": "kvtransfer.connector",
+        "kv_role": "kv_both",
+        "engine_id": engine_id,
+        # A failed or expired read is recomputed locally instead of failing the request.
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": extra,
+    })

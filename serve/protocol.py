@@ -13,6 +13,8 @@ from typing import Literal, TypeVar
 
 import msgspec
 
+from kvtransfer.protocol import TransferParams
+
 PROTOCOL_VERSION = 1
 
 T = TypeVar("T")
@@ -32,9 +34,18 @@ class SamplingOptions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """A generation on one worker.
+
+    `remote_decode`: run the prefill only and hold the KV blocks for a decode worker (the
+    final delta carries `kv_transfer`). `kv_transfer`: a prefill done elsewhere; pull its
+    KV blocks and decode.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
+    remote_decode: bool = False
+    kv_transfer: TransferParams | None = None
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -46,6 +57,7 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     num_prompt_tokens: int | None = None
     num_cached_tokens: int | None = None
+    kv_transfer: TransferParams | None = None
     error: str | None = None
 
 

@@ -26,7 +26,7 @@ import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import REGISTRY as VLLM_REGISTRY
 
 from serve import protocol as p
@@ -50,6 +50,7 @@ class WorkerSettings:
     model: str = ""
     served_model_name: str = ""
     graceful_timeout_s: float = 30.0
+    kv_transfer: bool = False
 
     @property
     def url(self) -> str:
@@ -71,6 +72,40 @@ class WorkerMetrics:
         self.tokens = Counter(
             "pdserve_worker_generated_tokens", "Output tokens generated", ["role"], registry=self.registry
         )
+        r = self.registry
+        self.kv_reads = Counter("pdserve_kv_reads", "Completed KV READs (one per request)", registry=r)
+        self.kv_blocks = Counter("pdserve_kv_blocks_transferred", "KV blocks read from prefill engines", registry=r)
+        self.kv_bytes = Counter("pdserve_kv_bytes_transferred", "KV bytes read from prefill engines", registry=r)
+        self.kv_seconds = Histogram("pdserve_kv_transfer_duration_seconds", "Duration of one request's KV READ",
+                                    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5),
+                                    registry=r)
+        self.kv_gbps = Gauge("pdserve_kv_transfer_gbps", "Achieved GB/s of the last KV READs", registry=r)
+        self.kv_failures = Counter("pdserve_kv_transfer_failures", "KV loads that failed", registry=r)
+        self.kv_expiries = Counter("pdserve_kv_lease_expiries", "Held requests freed unread by lease", registry=r)
+        self.kv_recomputes = Counter("pdserve_kv_recomputes", "Requests recomputed locally after a failed load",
+                                     registry=r)
+        self.kv_held_requests = Counter("pdserve_kv_held_requests", "Requests whose blocks were held for a remote decode",
+                                        registry=r)
+        self.kv_released = Counter("pdserve_kv_blocks_released", "Held blocks released by their reader", registry=r)
+        self.kv_held_blocks = Gauge("pdserve_kv_held_blocks", "Blocks held for remote decodes now", registry=r)
+
+    def observe_kv(self, d: dict) -> None:
+        """Fold one kvtransfer stats report (kvtransfer.stats) into the metrics."""
+        self.kv_reads.inc(d.get("reads", 0))
+        self.kv_blocks.inc(d.get("blocks_read", 0))
+        self.kv_bytes.inc(d.get("bytes_read", 0))
+        for secs in d.get("read_seconds", []):
+            self.kv_seconds.observe(secs)
+        secs, nbytes = sum(d.get("read_seconds", [])), sum(d.get("read_bytes", []))
+        if secs > 0:
+            self.kv_gbps.set(nbytes / secs / 1e9)
+        self.kv_failures.inc(d.get("failures", 0))
+        self.kv_expiries.inc(d.get("lease_expiries", 0))
+        self.kv_recomputes.inc(d.get("recomputes", 0))
+        self.kv_held_requests.inc(d.get("requests_held", 0))
+        self.kv_released.inc(d.get("blocks_released", 0))
+        if d.get("held_blocks") is not None:
+            self.kv_held_blocks.set(d["held_blocks"])
 
 
 class Worker:
@@ -81,8 +116,8 @@ class Worker:
         self.engine_args = engine_args
         self.worker_id = settings.worker_id or f"{settings.role}-{uuid.uuid4().hex[:8]}"
         self.engine: Any = None
-        self.stats = EngineStats()
         self.metrics = WorkerMetrics()
+        self.stats = EngineStats(on_kv_stats=self.metrics.observe_kv)
         self.active = 0
         self.draining = False
         self.info: p.WorkerInfo | None = None
@@ -170,12 +205,23 @@ class Worker:
             return JSONResponse({"error": "worker is draining"}, status_code=503)
         if not req.prompt_token_ids:
             return JSONResponse({"error": "empty prompt"}, status_code=400)
+        if (req.remote_decode or req.kv_transfer is not None) and not self.settings.kv_transfer:
+            return JSONResponse({"error": f"this {self.settings.role} worker has no KV transfer configured"},
+                                status_code=400)
         return DisconnectAwareStreamingResponse(self._stream(req), media_type="application/x-ndjson")
 
-    def _sampling_params(self, s: p.SamplingOptions) -> Any:
+    def _sampling_params(self, req: p.GenerateRequest) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        from kvtransfer.protocol import remote_decode_request, to_vllm_params
+
+        s = req.sampling
+        extra = None
+        if req.remote_decode:
+            extra = {"kv_transfer_params": remote_decode_request()}
+        elif req.kv_transfer is not None:
+            extra = {"kv_transfer_params": to_vllm_params(req.kv_transfer)}
         return SamplingParams(
             max_tokens=s.max_tokens,
             temperature=s.temperature,
@@ -186,6 +232,7 @@ class Worker:
             stop_token_ids=list(s.stop_token_ids) or None,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
+            extra_args=extra,
         )
 
     async def _stream(self, req: p.GenerateRequest) -> AsyncIterator[bytes]:
@@ -199,7 +246,7 @@ class Worker:
         log.info("request %s: start, %d prompt tokens", req.request_id, len(req.prompt_token_ids))
         try:
             try:
-                params = self._sampling_params(req.sampling)
+                params = self._sampling_params(req)
             except (ValueError, TypeError) as exc:
                 finished = True
                 outcome = "invalid"
@@ -216,6 +263,7 @@ class Worker:
                     finish_reason=_finish_reason(comp.finish_reason) if out.finished else None,
                     num_prompt_tokens=len(req.prompt_token_ids) if first else None,
                     num_cached_tokens=out.num_cached_tokens if (first or out.finished) else None,
+                    kv_transfer=_transfer_params(out.kv_transfer_params) if out.finished else None,
                 )
                 first = False
                 if out.finished:
@@ -249,6 +297,13 @@ class Worker:
             await self.engine.abort(req.request_id)
         return JSONResponse({"aborted": req.request_id})
 
+    async def reset_prefix_cache(self) -> Response:
+        """Drop the engine's prefix cache (benchmarks and tests that need a cold cache)."""
+        if self.engine is None:
+            return JSONResponse({"error": "no engine"}, status_code=503)
+        ok = await asyncio.wait_for(self.engine.reset_prefix_cache(), HEALTH_TIMEOUT_S)
+        return JSONResponse({"reset": bool(ok) if ok is not None else True})
+
     async def get_info(self) -> Response:
         return Response(p.encode(self.info), media_type="application/json")
 
@@ -256,9 +311,9 @@ class Worker:
         return p.WorkerLoad(
             worker_id=self.worker_id,
             active_requests=self.active,
-            running_requests=self.stats.running if self.active else 0,
-            waiting_requests=self.stats.waiting if self.active else 0,
-            kv_usage=self.stats.kv_usage if self.active else 0.0,
+            running_requests=self.stats.running,
+            waiting_requests=self.stats.waiting,
+            kv_usage=self.stats.kv_usage,
             draining=self.draining,
         )
 
@@ -283,6 +338,12 @@ class Worker:
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
+def _transfer_params(params: dict | None) -> Any:
+    from kvtransfer.protocol import from_vllm_params
+
+    return from_vllm_params(params)
+
+
 def _finish_reason(reason: str | None) -> p.FinishReason:
     if reason in ("stop", "length", "abort"):
         return reason  # type: ignore[return-value]
@@ -302,6 +363,7 @@ def build_app(worker: Worker) -> FastAPI:
     app.add_api_route("/generate", worker.generate, methods=["POST"])
     app.add_api_route("/abort", worker.abort, methods=["POST"])
     app.add_api_route("/info", worker.get_info, methods=["GET"])
+    app.add_api_route("/reset_prefix_cache", worker.reset_prefix_cache, methods=["POST"])
     app.add_api_route("/load", worker.get_load, methods=["GET"])
     app.add_api_route("/health", worker.health, methods=["GET"])
     app.add_api_route("/metrics", worker.get_metrics, methods=["GET"])

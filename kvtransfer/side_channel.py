@@ -1,0 +1,117 @@
+"""The side channel: a small ZMQ request/reply service beside each engine's NIXL agent.
+
+The server thread answers `Hello` with this engine's `EngineMetadata` (the handshake),
+and `Acquire` / `Release` through callbacks into the lease table. Clients time out on
+every call (`timeout_s`) and then discard their socket, so a dead peer costs one timeout,
+never a hang. The server binds to the address it is given (loopback by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvtransfer.errors import HandshakeError
+from kvtransfer.protocol import PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Message, Release, Reply
+
+log = logging.getLogger("vllm.pdserve.kvtransfer.side_channel")
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+class SideChannelServer:
+    def __init__(self, endpoint: str, metadata: Callable[[], EngineMetadata],
+                 on_acquire: Callable[[Acquire], Reply], on_release: Callable[[Release], Reply]) -> None:
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._metadata = metadata
+        self._on_acquire = on_acquire
+        self._on_release = on_release
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="pdserve-kv-side-channel", daemon=True)
+        self._thread.start()
+
+    def _handle(self, raw: bytes) -> Reply:
+        try:
+            msg = _decoder.decode(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return Reply("error", f"malformed message: {exc}")
+        if isinstance(msg, Hello):
+            if msg.protocol_version != PROTOCOL_VERSION:
+                return Reply("error", f"protocol version: local {PROTOCOL_VERSION} vs remote {msg.protocol_version}")
+            return Reply("ok", metadata=self._metadata())
+        if isinstance(msg, Acquire):
+            return self._on_acquire(msg)
+        if isinstance(msg, Release):
+            return self._on_release(msg)
+        return Reply("error", f"unexpected message {type(msg).__name__}")
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(100):
+                continue
+            try:
+                ident, _, raw = self.sock.recv_multipart()
+            except ValueError:
+                continue
+            try:
+                reply = self._handle(raw)
+            except Exception as exc:  # a bug in a callback must not kill the channel
+                log.exception("side channel handler failed")
+                reply = Reply("error", f"{type(exc).__name__}: {exc}")
+            self.sock.send_multipart([ident, b"", _encoder.encode(reply)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        self.sock.close(linger=0)
+
+
+class SideChannelClient:
+    """One REQ socket per remote endpoint; recreated after a timeout (REQ is then stuck)."""
+
+    def __init__(self, endpoint: str, timeout_s: float) -> None:
+        self.endpoint = endpoint
+        self.timeout_ms = int(timeout_s * 1000)
+        self.ctx = zmq.Context.instance()
+        self.sock: zmq.Socket | None = None
+
+    def _socket(self) -> zmq.Socket:
+        if self.sock is None:
+            s = self.ctx.socket(zmq.REQ)
+            s.setsockopt(zmq.LINGER, 0)
+            s.setsockopt(zmq.RCVTIMEO, self.timeout_ms)
+            s.setsockopt(zmq.SNDTIMEO, self.timeout_ms)
+            s.connect(self.endpoint)
+            self.sock = s
+        return self.sock
+
+    def call(self, msg: Message) -> Reply:
+        sock = self._socket()
+        try:
+            sock.send(_encoder.encode(msg))
+            reply = _decoder.decode(sock.recv())
+        except zmq.Again:
+            self.close()
+            raise HandshakeError(f"side channel {self.endpoint}: no answer in {self.timeout_ms} ms") from None
+        except zmq.ZMQError as exc:
+            self.close()
+            raise HandshakeError(f"side channel {self.endpoint}: {exc}") from None
+        if not isinstance(reply, Reply):
+            raise HandshakeError(f"side channel {self.endpoint}: unexpected {type(reply).__name__}")
+        return reply
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close(linger=0)
+            self.sock = None

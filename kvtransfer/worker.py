@@ -1,0 +1,346 @@
+"""Worker side of PdConnector: moves bytes. Owns the NIXL agent, the side channel and
+the lease table; runs in vLLM's worker process.
+
+Prefill engine (holder): blocks of a finished remote-decode request are held until the
+decode side releases them, or until the lease (`lease_seconds`) runs out unread; either
+way they are reported in `finished_sending` and vLLM frees them. While a reader holds an
+acquire, the lease is pinned for at most `read_timeout_s`, so a reader that dies mid-read
+cannot strand blocks.
+
+Decode engine (reader): for each planned load, handshake with the holder (cached per
+engine, redone when it restarts), acquire the request's blocks, and post one NIXL READ
+with merged descriptors. `get_transfer_results` polls the READs; a finished one releases
+the holder. A holder that answers "gone" (lease expired) or a READ that fails or times out
+makes the request fail its load, and vLLM recomputes the prompt locally (policy
+`recompute`), counted in `recomputes`; freed memory is never read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvtransfer import transport
+from kvtransfer.errors import HandshakeError, TransferFailed
+from kvtransfer.layout import KVLayout, layout_from_tensors, merge_descriptors
+from kvtransfer.protocol import (
+    PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Release, Reply, TransferParams, check_compatible,
+)
+from kvtransfer.scheduler import LoadSpec, PdConnectorMetadata
+from kvtransfer.side_channel import SideChannelClient, SideChannelServer
+from kvtransfer.stats import PdKVStats
+
+log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
+
+ACQUIRE_PENDING_RETRY_S = 0.02
+FREED_MEMORY = 4096  # ids remembered after freeing, to answer "gone" rather than "pending"
+
+
+@dataclass
+class Hold:
+    blocks: int
+    expiry: float
+    reading: bool = False
+
+
+@dataclass
+class Read:
+    spec: LoadSpec
+    handle: Any
+    peer: str
+    nbytes: int
+    started: float
+    deadline: float
+
+
+@dataclass
+class Peer:
+    metadata: EngineMetadata
+    agent_name: str
+    client: SideChannelClient
+
+
+@dataclass
+class WorkerConfig:
+    engine_id: str
+    bind_endpoint: str
+    advertise_endpoint: str
+    lease_seconds: float
+    read_timeout_s: float
+    handshake_timeout_s: float
+    transport: str
+    model: str
+    dtype: str
+    kv_cache_dtype: str
+    block_size: int
+    tp_size: int
+    fault_pause_s: float = 0.0  # test-only: pause before posting a READ (never set in production)
+    extra: dict = field(default_factory=dict)
+
+
+class PdWorker:
+    def __init__(self, cfg: WorkerConfig, num_blocks: int) -> None:
+        self.cfg = cfg
+        self.num_blocks = num_blocks
+        self.layout: KVLayout | None = None
+        self.agent: Any = None
+        self.metadata: EngineMetadata | None = None
+        self.server: SideChannelServer | None = None
+        self.stats = PdKVStats()
+        self._lock = threading.Lock()
+        self._holds: dict[str, Hold] = {}
+        self._freed: OrderedDict[str, None] = OrderedDict()
+        self._to_free: set[str] = set()
+        self._finished_seen: set[str] = set()
+        self._peers: dict[str, Peer] = {}
+        self._reads: dict[str, Read] = {}
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+
+    # -- setup ------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.layout = layout_from_tensors(kv_caches, self.num_blocks, self.cfg.block_size)
+        applied = transport.apply(self.cfg.transport)
+        name = f"pdserve-{self.cfg.engine_id}-{uuid.uuid4().hex[:6]}"
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        mode = "none" if self.cfg.transport == "shm" else "peer"
+        self.agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
+        spans = self.layout.spans()
+        self.agent.register_memory([(a, n, self.layout.device_id, "") for a, n in spans], self.layout.device)
+        self.server = SideChannelServer(self.cfg.bind_endpoint, lambda: self.metadata,
+                                        self._on_acquire, self._on_release)
+        self.metadata = EngineMetadata(
+            protocol_version=PROTOCOL_VERSION, engine_id=self.cfg.engine_id, model=self.cfg.model,
+            dtype=self.cfg.dtype, kv_cache_dtype=self.cfg.kv_cache_dtype, block_size=self.cfg.block_size,
+            tp_size=self.cfg.tp_size, layout=self.layout, agent_name=name,
+            agent_metadata=self.agent.get_agent_metadata(), side_channel=self.cfg.advertise_endpoint,
+        )
+        log.info("kvtransfer: engine %s registered %d KV regions (%.1f MiB, %d blocks x %d B, %s, %s) "
+                 "transport=%s %s side channel %s", self.cfg.engine_id, len(spans),
+                 sum(n for _, n in spans) / 2**20, self.num_blocks, self.layout.bytes_per_block,
+                 self.layout.device, self.layout.layout_name, self.cfg.transport, applied or "",
+                 self.server.endpoint)
+
+    def shutdown(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for peer in self._peers.values():
+            peer.client.close()
+
+    # -- holder side ------------------------------------------------------------------
+    def _forget(self, rid: str) -> None:
+        self._freed[rid] = None
+        while len(self._freed) > FREED_MEMORY:
+            self._freed.popitem(last=False)
+
+    def _on_acquire(self, msg: Acquire) -> Reply:
+        now = time.monotonic()
+        with self._lock:
+            hold = self._holds.get(msg.request_id)
+            if hold is None:
+                if msg.request_id in self._freed or msg.request_id in self._to_free:
+                    return Reply("gone", "blocks already freed (lease expired or released)")
+                return Reply("pending", "not held yet")
+            if now > hold.expiry and not hold.reading:
+                self._expire(msg.request_id)
+                return Reply("gone", "lease expired")
+            hold.reading = True
+            hold.expiry = now + self.cfg.read_timeout_s
+            return Reply("ok")
+
+    def _on_release(self, msg: Release) -> Reply:
+        with self._lock:
+            hold = self._holds.pop(msg.request_id, None)
+            if hold is not None:
+                self._to_free.add(msg.request_id)
+                self.stats.data["blocks_released"] += hold.blocks
+        return Reply("ok")
+
+    def _expire(self, rid: str) -> None:
+        """Caller holds the lock."""
+        hold = self._holds.pop(rid)
+        self._to_free.add(rid)
+        self.stats.data["lease_expiries"] += 1
+        log.info("kvtransfer: lease of %s expired (%d blocks freed unread)", rid, hold.blocks)
+
+    def _sweep_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for rid in [r for r, h in self._holds.items() if now > h.expiry]:
+                self._expire(rid)
+
+    # -- reader side ------------------------------------------------------------------
+    def _peer(self, remote: TransferParams) -> Peer:
+        peer = self._peers.get(remote.engine_id)
+        if peer is not None:
+            return peer
+        client = SideChannelClient(remote.side_channel, self.cfg.handshake_timeout_s)
+        reply = client.call(Hello(PROTOCOL_VERSION, self.cfg.engine_id))
+        if reply.status != "ok" or reply.metadata is None:
+            client.close()
+            raise HandshakeError(f"handshake with {remote.side_channel} refused: {reply.message}")
+        md = reply.metadata
+        if md.engine_id != remote.engine_id:
+            client.close()
+            raise HandshakeError(f"{remote.side_channel} is engine {md.engine_id}, not {remote.engine_id} (restarted)")
+        assert self.metadata is not None
+        try:
+            check_compatible(self.metadata, md)
+        except HandshakeError:
+            client.close()
+            raise
+        name = self.agent.add_remote_agent(md.agent_metadata)
+        name = name.decode() if isinstance(name, bytes) else name
+        peer = Peer(md, name, client)
+        self._peers[remote.engine_id] = peer
+        log.info("kvtransfer: handshake with engine %s at %s (compat %s)", md.engine_id, remote.side_channel,
+                 md.compat_hash())
+        return peer
+
+    def _drop_peer(self, engine_id: str) -> None:
+        peer = self._peers.pop(engine_id, None)
+        if peer is not None:
+            peer.client.close()
+            try:
+                self.agent.remove_remote_agent(peer.agent_name)
+            except Exception:  # the agent may already be gone with its process
+                pass
+
+    def _acquire(self, peer: Peer, spec: LoadSpec) -> None:
+        deadline = time.monotonic() + self.cfg.handshake_timeout_s
+        while True:
+            reply = peer.client.call(Acquire(spec.remote.request_id, self.cfg.engine_id))
+            if reply.status == "ok":
+                return
+            if reply.status == "pending" and time.monotonic() < deadline:
+                time.sleep(ACQUIRE_PENDING_RETRY_S)
+                continue
+            raise TransferFailed(f"holder {spec.remote.engine_id} answered {reply.status}: {reply.message}")
+
+    def _start_read(self, spec: LoadSpec) -> None:
+        assert self.layout is not None
+        if self.cfg.fault_pause_s:
+            time.sleep(self.cfg.fault_pause_s)
+        try:
+            peer = self._peer(spec.remote)
+        except HandshakeError as exc:
+            self._drop_peer(spec.remote.engine_id)
+            raise TransferFailed(str(exc)) from exc
+        try:
+            self._acquire(peer, spec)
+        except HandshakeError as exc:  # holder unreachable: maybe restarted; handshake again next time
+            self._drop_peer(spec.remote.engine_id)
+            raise TransferFailed(str(exc)) from exc
+        t0 = time.monotonic()
+        local, remote = merge_descriptors(peer.metadata.layout, self.layout, spec.remote_block_ids,
+                                          spec.local_block_ids)
+        ldev, rdev = self.layout.device_id, peer.metadata.layout.device_id
+        ldesc = self.agent.get_xfer_descs(np.array([(a, n, ldev) for a, n in local], dtype=np.uint64),
+                                          self.layout.device)
+        rdesc = self.agent.get_xfer_descs(np.array([(a, n, rdev) for a, n in remote], dtype=np.uint64),
+                                          peer.metadata.layout.device)
+        handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer.agent_name, b"")
+        state = self.agent.transfer(handle)
+        if state == "ERR":
+            self.agent.release_xfer_handle(handle)
+            self._release_remote(spec.remote)
+            raise TransferFailed(f"NIXL READ from {spec.remote.engine_id} failed to start")
+        # Timed from the descriptor build: the READ may complete inside transfer() itself.
+        self._reads[spec.request_id] = Read(spec, handle, spec.remote.engine_id, sum(n for _, n in local), t0,
+                                            t0 + self.cfg.read_timeout_s)
+
+    def _release_remote(self, remote: TransferParams) -> None:
+        try:
+            peer = self._peers.get(remote.engine_id)
+            client = peer.client if peer else SideChannelClient(remote.side_channel, self.cfg.handshake_timeout_s)
+            client.call(Release(remote.request_id, self.cfg.engine_id))
+            self.stats.data["releases_sent"] += 1
+            if peer is None:
+                client.close()
+        except HandshakeError as exc:
+            # The holder will free by lease; nothing is stranded.
+            log.warning("kvtransfer: release of %s at %s failed: %s", remote.request_id, remote.engine_id, exc)
+            self._drop_peer(remote.engine_id)
+
+    def _fail(self, spec: LoadSpec, why: str) -> None:
+        self.stats.data["failures"] += 1
+        self.stats.data["recomputes"] += 1
+        self._failed_recving.add(spec.request_id)
+        self._done_recving.add(spec.request_id)
+        log.warning("kvtransfer: load of %s failed (%s); recomputing locally", spec.request_id, why)
+
+    def _poll_reads(self) -> None:
+        now = time.monotonic()
+        for rid, rd in list(self._reads.items()):
+            state = self.agent.check_xfer_state(rd.handle)
+            if state == "PROC" and now < rd.deadline:
+                continue
+            del self._reads[rid]
+            self.agent.release_xfer_handle(rd.handle)
+            if state == "DONE":
+                secs = time.monotonic() - rd.started
+                d = self.stats.data
+                d["reads"] += 1
+                d["blocks_read"] += len(rd.spec.local_block_ids)
+                d["bytes_read"] += rd.nbytes
+                d["read_seconds"].append(secs)
+                d["read_bytes"].append(rd.nbytes)
+                self._done_recving.add(rid)
+                log.info("kvtransfer: read %s: %d blocks, %d bytes in %.2f ms (%.2f GB/s)", rid,
+                         len(rd.spec.local_block_ids), rd.nbytes, secs * 1e3, rd.nbytes / max(secs, 1e-9) / 1e9)
+            else:
+                self._fail(rd.spec, "READ error" if state == "ERR" else "READ timed out")
+            self._release_remote(rd.spec.remote)
+
+    # -- per step -----------------------------------------------------------------------
+    def start_load_kv(self, meta: PdConnectorMetadata) -> None:
+        now = time.monotonic()
+        if meta.holds:
+            with self._lock:
+                for rid, (nblocks, lease) in meta.holds.items():
+                    self._holds[rid] = Hold(nblocks, now + lease)
+                    self.stats.data["requests_held"] += 1
+        for remote in meta.releases:
+            self._release_remote(remote)
+        for spec in meta.loads:
+            try:
+                self._start_read(spec)
+            except TransferFailed as exc:
+                self._fail(spec, str(exc))
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
+        self._finished_seen |= finished_req_ids
+        if self.agent is not None:
+            self.agent.get_new_notifs()  # progress the holder side: the progress thread is off
+            self._poll_reads()
+        self._sweep_leases()
+        with self._lock:
+            sending = {r for r in self._to_free if r in self._finished_seen}
+            self._to_free -= sending
+            for r in sending:
+                self._forget(r)
+            self._finished_seen -= sending
+            self.stats.data["held_blocks"] = sum(h.blocks for h in self._holds.values())
+        recving, failed = self._done_recving, self._failed_recving
+        self._done_recving, self._failed_recving = set(), set()
+        return sending, recving, failed
+
+    def take_stats(self) -> PdKVStats | None:
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, PdKVStats()
+        return out
+
+
+def default_engine_id() -> str:
+    return f"{os.uname().nodename}-{os.getpid()}-{uuid.uuid4().hex[:8]}"

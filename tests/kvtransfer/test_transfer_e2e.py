@@ -1,0 +1,211 @@
+"""Prefill engine -> NIXL READ -> decode engine, with real engines in separate processes.
+
+Greedy output through the transfer must equal the same engine running the request alone,
+the KV must really move (bytes = blocks x block bytes, the decode engine computes at most
+the last partial block), and blocks must come back on both sides after aborts and leases.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, Proc, free_port
+from tests.workerclient import generate, metric, metrics, wait_for
+
+pytestmark = pytest.mark.engine
+
+LEASE_S = 4.0
+BLOCK = 128
+LENGTHS = [1, 5, 77, 127, 128, 129, 200, 255, 300, 383, 500, 640, 777, 1000, 1200, 1500, 1777, 1999]
+
+
+def start_worker(role: str, core: int, model_dir: str, extra: list[str]) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc(f"{role}-worker", ["worker", "--role", role, "--port", str(port), "--model", model_dir,
+                                   "--served-model-name", MODEL, "--cpu-cores", str(core), "--kv-cache-gib", "1",
+                                   "--max-num-seqs", "8", "--max-model-len", "4096",
+                                   "--kv-lease-seconds", str(LEASE_S), *extra])
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http(f"{url}/health", 420)
+    return proc, url
+
+
+@pytest.fixture(scope="module", params=["bf16", "fp8"])
+def pair(request, model_dir):
+    extra = ["--kv-cache-dtype", "fp8"] if request.param == "fp8" else []
+    procs = []
+    try:
+        p, purl = start_worker("prefill", 0, model_dir, extra)
+        procs.append(p)
+        d, durl = start_worker("decode", 1, model_dir, extra)
+        procs.append(d)
+        yield request.param, purl, durl, d
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def prompts(tokenizer) -> list[list[int]]:
+    """Token-exact prompts cut from one long, regular text (a counting list), each starting
+    at a line start, so greedy continuations have clear margins (a near-tie could flip on
+    bf16 rounding between a 1-token step and a full prefill, which is not a transfer
+    error). Lengths are not multiples of the block size; two share a long prefix."""
+    lines = [f"Step {i}: add one to {i} and get {i + 1}." for i in range(1, 400)]
+    starts, ids = [], []
+    for line in lines:
+        starts.append(len(ids))
+        ids += tokenizer.encode(line + "\n", add_special_tokens=False)
+    assert len(ids) > 4000
+    out = [ids[starts[i * 3]: starts[i * 3] + n] for i, n in enumerate(LENGTHS)]
+    # Two prompts sharing a long prefix with an earlier one (prompt 13: 1000 tokens).
+    out.append(out[13][:700] + ids[starts[300]: starts[300] + 60])
+    out.append(out[13][:640] + ids[starts[320]: starts[320] + 133])
+    return out
+
+
+def expected_blocks(ps: list[list[int]]) -> list[int]:
+    """Blocks each decode must read: its prompt's blocks minus full blocks already in the
+    decode engine's prefix cache from earlier transfers (same leading full blocks)."""
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for ids in ps:
+        full = len(ids) // BLOCK
+        hits = 0
+        while hits < full and tuple(ids[: (hits + 1) * BLOCK]) in seen:
+            hits += 1
+        if hits * BLOCK >= len(ids):  # vLLM always computes the last token
+            hits -= 1
+        out.append(math.ceil(len(ids) / BLOCK) - hits)
+        seen.update(tuple(ids[: (b + 1) * BLOCK]) for b in range(full))
+    return out
+
+
+def block_bytes(kind: str) -> int:
+    layers, kv_heads, head_dim = 30, 3, 64
+    return layers * kv_heads * BLOCK * head_dim * 2 * (1 if kind == "fp8" else 2)
+
+
+def test_transfer_matches_engine_alone_and_moves_the_kv(pair, tokenizer):
+    kind, purl, durl, _ = pair
+    ps = prompts(tokenizer)
+    assert len(ps) >= 20 and sorted({len(p) for p in ps}) == sorted({len(p) for p in ps})
+    d0 = metrics(durl)
+    via_transfer = []
+    for i, ids in enumerate(ps):
+        pre = generate(purl, ids, max_tokens=1, remote_decode=True, request_id=f"pre-{kind}-{i}")
+        assert pre.error is None and pre.kv_transfer is not None, pre
+        assert len(pre.kv_transfer["block_ids"]) == math.ceil(len(ids) / BLOCK)
+        dec = generate(durl, ids, max_tokens=12, kv_transfer=pre.kv_transfer, request_id=f"dec-{kind}-{i}")
+        assert dec.error is None, dec
+        assert dec.tokens[0] == pre.tokens[0]  # the prefill's first token agrees
+        via_transfer.append(dec.tokens)
+    d1 = metrics(durl)
+
+    want_blocks = expected_blocks(ps)
+    assert metric(d1, "pdserve_kv_blocks_transferred_total") - metric(d0, "pdserve_kv_blocks_transferred_total") \
+        == sum(want_blocks)
+    assert metric(d1, "pdserve_kv_bytes_transferred_total") - metric(d0, "pdserve_kv_bytes_transferred_total") \
+        == sum(want_blocks) * block_bytes(kind)
+    assert metric(d1, "pdserve_kv_reads_total") - metric(d0, "pdserve_kv_reads_total") == len(ps)
+    assert metric(d1, "pdserve_kv_recomputes_total") == metric(d0, "pdserve_kv_recomputes_total")
+    assert metric(d1, "pdserve_kv_transfer_failures_total") == metric(d0, "pdserve_kv_transfer_failures_total")
+    # No silent recompute: the decode engine computed at most the last partial block of each prompt.
+    computed = (metric(d1, "vllm:prompt_tokens_by_source_total", source="local_compute")
+                - metric(d0, "vllm:prompt_tokens_by_source_total", source="local_compute"))
+    assert computed <= sum(min(len(ids) % BLOCK or BLOCK, BLOCK) for ids in ps)
+
+    # The same engine running each request alone (cold prefix cache each time).
+    differ = []
+    for i, ids in enumerate(ps):
+        httpx.post(f"{durl}/reset_prefix_cache", timeout=30).raise_for_status()
+        alone = generate(durl, ids, max_tokens=12, request_id=f"alone-{kind}-{i}")
+        if via_transfer[i] != alone.tokens:
+            differ.append((i, len(ids), via_transfer[i], alone.tokens))
+    assert differ == [], f"{len(differ)} of {len(ps)} prompts differ: {differ}"
+
+
+def held_blocks(url: str) -> float:
+    return metric(metrics(url), "pdserve_kv_held_blocks")
+
+
+def kv_usage(url: str) -> float:
+    return httpx.get(f"{url}/load", timeout=10).json()["kv_usage"]
+
+
+def test_expired_lease_frees_blocks_and_decode_recomputes_correctly(pair, tokenizer):
+    kind, purl, durl, _ = pair
+    ids = prompts(tokenizer)[12]  # 640 tokens: 5 blocks
+    httpx.post(f"{durl}/reset_prefix_cache", timeout=30).raise_for_status()
+    alone = generate(durl, ids, request_id=f"ref-exp-{kind}")
+    httpx.post(f"{durl}/reset_prefix_cache", timeout=30).raise_for_status()
+    p0 = metrics(purl)
+    pre = generate(purl, ids, max_tokens=1, remote_decode=True, request_id=f"exp-{kind}")
+    wait_for(lambda: held_blocks(purl) == 5, 10, "prefill side to hold 5 blocks")
+    # Nobody reads: the lease frees the blocks.
+    wait_for(lambda: held_blocks(purl) == 0, LEASE_S + 10, "lease expiry")
+    assert metric(metrics(purl), "pdserve_kv_lease_expiries_total") == metric(p0, "pdserve_kv_lease_expiries_total") + 1
+    wait_for(lambda: kv_usage(purl) == 0.0, 10, "prefill KV usage back to baseline")
+    d0 = metrics(durl)
+    late = generate(durl, ids, kv_transfer=pre.kv_transfer, request_id=f"late-{kind}")
+    d1 = metrics(durl)
+    assert late.tokens == alone.tokens  # correct output, recomputed, never stale memory
+    assert metric(d1, "pdserve_kv_recomputes_total") == metric(d0, "pdserve_kv_recomputes_total") + 1
+    assert metric(d1, "pdserve_kv_bytes_transferred_total") == metric(d0, "pdserve_kv_bytes_transferred_total")
+
+
+def test_blocks_return_to_baseline_after_aborts(pair, tokenizer):
+    kind, purl, durl, _ = pair
+    ps = prompts(tokenizer)
+    p_exp0 = metric(metrics(purl), "pdserve_kv_lease_expiries_total")
+    # 1. Abort during prefill: the request never finishes, nothing is held.
+    with httpx.stream("POST", f"{purl}/generate", timeout=30, json={
+            "request_id": f"abort-pre-{kind}", "prompt_token_ids": ps[17], "remote_decode": True,
+            "sampling": {"max_tokens": 1, "temperature": 0.0}}) as r:
+        assert r.status_code == 200
+    # 2. Prefill done, decode aborted right after it started (before or during its read).
+    pre = generate(purl, ps[16], max_tokens=1, remote_decode=True, request_id=f"abort-dec-p-{kind}")
+    with httpx.stream("POST", f"{durl}/generate", timeout=30, json={
+            "request_id": f"abort-dec-{kind}", "prompt_token_ids": ps[16], "kv_transfer": pre.kv_transfer,
+            "sampling": {"max_tokens": 400, "temperature": 0.0}}) as r:
+        assert r.status_code == 200
+    # 3. Decode aborted after its transfer, mid-generation.
+    pre = generate(purl, ps[15], max_tokens=1, remote_decode=True, request_id=f"abort-gen-p-{kind}")
+    with httpx.stream("POST", f"{durl}/generate", timeout=30, json={
+            "request_id": f"abort-gen-{kind}", "prompt_token_ids": ps[15], "kv_transfer": pre.kv_transfer,
+            "sampling": {"max_tokens": 2000, "temperature": 0.0}}) as r:
+        lines = r.iter_lines()
+        assert next(lines)
+    for url in (purl, durl):
+        wait_for(lambda: httpx.get(f"{url}/load").json()["active_requests"] == 0, 20, "workers idle")
+    # Every hold is released by its reader or by lease; usage returns to zero on both sides.
+    wait_for(lambda: held_blocks(purl) == 0, LEASE_S + 15, "prefill holds released")
+    wait_for(lambda: kv_usage(purl) == 0.0 and kv_usage(durl) == 0.0, 20, "KV usage back to baseline")
+    # Released by readers, not left to expire (at most the aborted-before-read case may expire).
+    assert metric(metrics(purl), "pdserve_kv_lease_expiries_total") - p_exp0 <= 1
+
+
+def test_mismatched_kv_dtype_is_refused_with_both_values(pair, model_dir, tokenizer):
+    kind, purl, _, _ = pair
+    if kind != "bf16":
+        pytest.skip("one mismatch pairing is enough: bf16 prefill vs fp8 decode")
+    proc, durl = start_worker("decode", 1, model_dir, ["--kv-cache-dtype", "fp8"])
+    try:
+        ids = prompts(tokenizer)[9]
+        pre = generate(purl, ids, max_tokens=1, remote_decode=True, request_id="mismatch-p")
+        d0 = metrics(durl)
+        out = generate(durl, ids, kv_transfer=pre.kv_transfer, request_id="mismatch-d")
+        assert out.error is None and len(out.tokens) > 0  # served by local recompute
+        d1 = metrics(durl)
+        assert metric(d1, "pdserve_kv_transfer_failures_total") == metric(d0, "pdserve_kv_transfer_failures_total") + 1
+        assert metric(d1, "pdserve_kv_bytes_transferred_total") == 0
+        wait_for(lambda: "KV cache dtype: local 'fp8' vs remote 'bfloat16'" in proc.log_path.read_text(), 10,
+                 "the mismatch message in the decode worker's log")
+        # The prefill side is released at once (not left to the lease).
+        wait_for(lambda: held_blocks(purl) == 0, 5, "prefill hold released")
+    finally:
+        proc.stop()
