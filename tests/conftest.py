@@ -33,13 +33,15 @@ def free_port() -> int:
 class Proc:
     """A child process in its own process group, with its output in a log file."""
 
-    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None,
+                 wrapper: list[str] | None = None) -> None:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.time_ns()}.log"
         self.log = open(self.log_path, "wb")
         full_env = {**os.environ, **(env or {})}
-        self.popen = subprocess.Popen([sys.executable, "-m", "serve.cli", *args], cwd=ROOT, env=full_env,
+        cmd = [*(wrapper or []), sys.executable, "-m", "serve.cli", *args]
+        self.popen = subprocess.Popen(cmd, cwd=ROOT, env=full_env,
                                       stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                       start_new_session=True)
 
