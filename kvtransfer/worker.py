@@ -41,6 +41,7 @@ from kvtransfer.stats import PdKVStats
 log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
 
 ACQUIRE_PENDING_RETRY_S = 0.02
+SPIN_S = 0.05  # longest a READ is progressed inline before it is left to the per-step poll
 FREED_MEMORY = 4096  # ids remembered after freeing, to answer "gone" rather than "pending"
 
 
@@ -59,6 +60,7 @@ class Read:
     nbytes: int
     started: float
     deadline: float
+    finished_at: float | None = None  # when an inline progress loop saw it complete
 
 
 @dataclass
@@ -251,13 +253,20 @@ class PdWorker:
                                           peer.metadata.layout.device)
         handle = self.agent.initialize_xfer("READ", ldesc, rdesc, peer.agent_name, b"")
         state = self.agent.transfer(handle)
+        # With the progress thread off, a READ advances only while we call into NIXL; on
+        # shared memory the copy is done by this thread, so progress it right away (bounded)
+        # instead of one poll per engine step.
+        spin_until = time.monotonic() + SPIN_S
+        while state == "PROC" and time.monotonic() < spin_until:
+            state = self.agent.check_xfer_state(handle)
         if state == "ERR":
             self.agent.release_xfer_handle(handle)
             self._release_remote(spec.remote)
             raise TransferFailed(f"NIXL READ from {spec.remote.engine_id} failed to start")
         # Timed from the descriptor build: the READ may complete inside transfer() itself.
         self._reads[spec.request_id] = Read(spec, handle, spec.remote.engine_id, sum(n for _, n in local), t0,
-                                            t0 + self.cfg.read_timeout_s)
+                                            t0 + self.cfg.read_timeout_s,
+                                            time.monotonic() if state == "DONE" else None)
 
     def _release_remote(self, remote: TransferParams) -> None:
         try:
@@ -285,10 +294,11 @@ class PdWorker:
             state = self.agent.check_xfer_state(rd.handle)
             if state == "PROC" and now < rd.deadline:
                 continue
+            done_at = time.monotonic()
             del self._reads[rid]
             self.agent.release_xfer_handle(rd.handle)
             if state == "DONE":
-                secs = time.monotonic() - rd.started
+                secs = (rd.finished_at or done_at) - rd.started
                 d = self.stats.data
                 d["reads"] += 1
                 d["blocks_read"] += len(rd.spec.local_block_ids)

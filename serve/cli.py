@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_arg(u)
     _add_log_arg(u)
 
+    from bench.cli import add_parser as add_bench_parser
+
+    add_bench_parser(sub)
+
     m = sub.add_parser("model", help="prepare models")
     msub = m.add_subparsers(dest="model_command", metavar="ACTION")
     mp = msub.add_parser("prepare", help="convert the embedded model into a Hugging Face directory (once)")
@@ -228,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_up(args)
         if args.command == "model":
             return cmd_model(args)
+        if args.command == "bench":
+            from bench.cli import run as run_bench
+
+            return run_bench(args)
     except PdserveError as exc:
         print(f"pdserve {args.command}: error: {exc}", file=sys.stderr)
         return 2

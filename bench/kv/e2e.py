@@ -1,0 +1,217 @@
+"""`pdserve bench kv --e2e`: the same prompts through (a) pdserve's connector and (b) vLLM's
+NixlConnector (the reference), in bf16 and fp8, prefill engine on core 0 and decode engine
+on core 1, one pair at a time.
+
+Per request: the decode side's TTFT as the client sees it (request sent to the decode
+engine -> first token; it contains the whole KV wait: handshake, acquire, READ, scheduling,
+plus one token of compute that is the same for both), the bytes moved and, for pdserve, the
+connector's own READ time. Writes `bench_kv_e2e.json` and prints a table with the ratios
+the targets name: decode-side KV wait pdserve / NixlConnector, fp8 / bf16 transfer time,
+and pdserve's achieved GB/s / raw NIXL READ at the same descriptor size (measured here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+
+MODEL_NAME = "smollm2-135m-instruct"
+LENGTHS = [300, 520, 777, 1000, 1200, 1500, 1777, 1999, 2400, 3000]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric_sum(url: str, name: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+        for s in fam.samples:
+            if s.name == name:
+                total += s.value
+    return total
+
+
+class Server:
+    def __init__(self, cmd: list[str], env: dict[str, str], health: str, log) -> None:
+        self.proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.health = health
+
+    def wait(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}")
+            try:
+                if httpx.get(self.health, timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"not ready: {self.health}")
+
+    def stop(self) -> None:
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def env_for(core: int) -> dict[str, str]:
+    return {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": str(core), "UCX_NET_DEVICES": "lo"}
+
+
+def pdserve_pair(model: str, kv: list[str], log) -> tuple[Server, Server, str, str]:
+    servers, urls = [], []
+    for role, core in (("prefill", 0), ("decode", 1)):
+        port = free_port()
+        cmd = [sys.executable, "-m", "serve.cli", "worker", "--role", role, "--port", str(port), "--model", model,
+               "--served-model-name", MODEL_NAME, "--cpu-cores", str(core), "--kv-cache-gib", "2",
+               "--max-num-seqs", "4", "--max-model-len", "4096", "--log-level", "warning", *kv]
+        servers.append(Server(cmd, env_for(core), f"http://127.0.0.1:{port}/health", log))
+        urls.append(f"http://127.0.0.1:{port}")
+    for s in servers:
+        s.wait()
+    return servers[0], servers[1], urls[0], urls[1]
+
+
+def nixl_pair(model: str, kv: list[str], log) -> tuple[Server, Server, str, str]:
+    servers, urls = [], []
+    for core in (0, 1):
+        port = free_port()
+        cfg = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+               "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(port), "--enforce-eager",
+               "--max-num-seqs", "4", "--max-model-len", "4096", "--kv-transfer-config", cfg,
+               "--disable-uvicorn-access-log", *kv]
+        env = {**env_for(core), "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+               "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1"}
+        servers.append(Server(cmd, env, f"http://127.0.0.1:{port}/health", log))
+        urls.append(f"http://127.0.0.1:{port}")
+    for s in servers:
+        s.wait()
+    return servers[0], servers[1], urls[0], urls[1]
+
+
+def pdserve_request(purl: str, durl: str, ids: list[int]) -> float:
+    rid = uuid.uuid4().hex
+    body = {"request_id": rid, "prompt_token_ids": ids, "remote_decode": True,
+            "sampling": {"max_tokens": 1, "temperature": 0.0}}
+    params = None
+    with httpx.stream("POST", f"{purl}/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line:
+                params = json.loads(line).get("kv_transfer") or params
+    body = {"request_id": rid + "-d", "prompt_token_ids": ids, "kv_transfer": params,
+            "sampling": {"max_tokens": 2, "temperature": 0.0}}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{durl}/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line and json.loads(line).get("token_ids"):
+                return time.perf_counter() - t0
+    raise RuntimeError("no token from decode")
+
+
+def nixl_request(purl: str, durl: str, ids: list[int]) -> float:
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 1, "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+    params = httpx.post(f"{purl}/v1/completions", json=body, timeout=120).json()["kv_transfer_params"]
+    body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True,
+            "kv_transfer_params": params}
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{durl}/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"][0].get("text") is not None:
+                    return time.perf_counter() - t0
+    raise RuntimeError("no token from decode")
+
+
+def prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
+    text = "\n".join(f"Record {salt}-{i}: sensor {i % 13} read {(i * 37 + salt) % 997} units." for i in range(600))
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def run(out_dir: str, repeats: int = 1) -> dict:
+    from serve.frontend.tokenizer import Tokenizer
+    from serve.model import resolve_model
+
+    model = resolve_model(None)
+    tok = Tokenizer(model)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"lengths": LENGTHS, "runs": {}}
+    with open(out / "bench_kv_e2e.log", "wb") as log:
+        for kind, kv in (("bf16", []), ("fp8", ["--kv-cache-dtype", "fp8"])):
+            for impl, start, request, bytes_metric in (
+                    ("pdserve", pdserve_pair, pdserve_request, "pdserve_kv_bytes_transferred_total"),
+                    ("nixl", nixl_pair, nixl_request, "vllm:nixl_bytes_transferred_sum")):
+                p, d, purl, durl = start(model, kv, log)
+                try:
+                    for w in range(2):  # warm-up (handshake happens here)
+                        request(purl, durl, prompt_ids(tok, 400, 10_000 + w))
+                    b0 = metric_sum(durl, bytes_metric)
+                    t0 = metric_sum(durl, "pdserve_kv_transfer_duration_seconds_sum") if impl == "pdserve" else 0.0
+                    ttfts = []
+                    for rep in range(repeats):
+                        for i, n in enumerate(LENGTHS):
+                            ttfts.append(request(purl, durl, prompt_ids(tok, n, rep * 100 + i)))
+                    moved = metric_sum(durl, bytes_metric) - b0
+                    row = {"decode_ttft_ms": [t * 1000 for t in ttfts], "bytes_moved": moved,
+                           "decode_ttft_p50_ms": statistics.median(ttfts) * 1000}
+                    if impl == "pdserve":
+                        secs = metric_sum(durl, "pdserve_kv_transfer_duration_seconds_sum") - t0
+                        row["transfer_seconds"] = secs
+                        row["achieved_gbps"] = moved / secs / 1e9 if secs else 0.0
+                    results["runs"][f"{impl}-{kind}"] = row
+                    print(f"{impl:8s} {kind}: decode TTFT p50 {row['decode_ttft_p50_ms']:7.1f} ms, "
+                          f"{moved / 2**20:8.1f} MiB moved"
+                          + (f", READ {row['transfer_seconds'] * 1000:.1f} ms in all, "
+                             f"{row['achieved_gbps']:.2f} GB/s" if impl == "pdserve" else ""), flush=True)
+                finally:
+                    p.stop()
+                    d.stop()
+    r = results["runs"]
+    summary = {
+        "kv_wait_ratio_bf16": r["pdserve-bf16"]["decode_ttft_p50_ms"] / r["nixl-bf16"]["decode_ttft_p50_ms"],
+        "kv_wait_ratio_fp8": r["pdserve-fp8"]["decode_ttft_p50_ms"] / r["nixl-fp8"]["decode_ttft_p50_ms"],
+        "fp8_over_bf16_transfer_time": r["pdserve-fp8"]["transfer_seconds"] / r["pdserve-bf16"]["transfer_seconds"],
+        "fp8_over_bf16_bytes": r["pdserve-fp8"]["bytes_moved"] / r["pdserve-bf16"]["bytes_moved"],
+    }
+    # Raw NIXL READ at the connector's descriptor size: one descriptor per layer per request,
+    # (blocks x per-layer block bytes) long; the median request here reads ~8 blocks x 96 KiB.
+    from bench.kv.micro import raw_read_gbps
+
+    desc = 8 * 96 * 1024
+    raw = raw_read_gbps(desc, 128)
+    summary["raw_nixl_read_gbps_at_descriptor"] = raw
+    summary["descriptor_bytes"] = desc
+    summary["connector_over_raw_read"] = r["pdserve-bf16"]["achieved_gbps"] / raw
+    results["summary"] = summary
+    (out / "bench_kv_e2e.json").write_text(json.dumps(results, indent=2))
+    for k, v in summary.items():
+        print(f"{k}: {v:.3f}")
+    return results

@@ -1,0 +1,105 @@
+"""The PrefillRouter: state producers (prefix index) + pure scoring + one picker.
+
+`route_prefill` picks the prefill worker for a prompt: in `kv` mode by cost (uncached
+blocks, weighted, plus in-flight prefill blocks); `round-robin` and `random` ignore the
+cache. `route_decode` picks a decode worker by load (active blocks and queue). Every
+decision carries the per-worker overlap, load and cost, which is what
+`POST /v1/route/explain` returns.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from router.errors import NoCandidates
+from router.hashing import block_hashes
+from router.index import PrefixIndex
+from router.scoring import decode_cost, pick, prefill_cost
+
+Mode = Literal["kv", "round-robin", "random"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    worker_id: str
+    inflight_prefill_blocks: int = 0
+    active_blocks: int = 0
+    queued_requests: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerScore:
+    worker_id: str
+    overlap_blocks: int
+    load: float
+    cost: float
+
+
+@dataclass(frozen=True)
+class Decision:
+    worker_id: str
+    prompt_blocks: int
+    overlap_blocks: int
+    scores: list[WorkerScore] = field(default_factory=list)
+
+    @property
+    def cached_ratio(self) -> float:
+        return self.overlap_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+
+class PrefillRouter:
+    def __init__(self, block_size: int, mode: Mode = "kv", overlap_weight: float = 1.0, temperature: float = 0.0,
+                 use_kv_events: bool = True, ttl_s: float = 120.0, rng: random.Random | None = None) -> None:
+        if mode not in ("kv", "round-robin", "random"):
+            raise ValueError(f"unknown router mode {mode!r}")
+        self.block_size = block_size
+        self.mode = mode
+        self.overlap_weight = overlap_weight
+        self.temperature = temperature
+        self.use_kv_events = use_kv_events
+        self.index = PrefixIndex(block_size, ttl_s)
+        self.rng = rng or random.Random()
+        self._rr = itertools.count()
+
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return block_hashes(token_ids, self.block_size)
+
+    def _score(self, hashes: Sequence[int], candidates: Sequence[Candidate], prompt_blocks: int) -> list[WorkerScore]:
+        out = []
+        for c in candidates:
+            overlap = self.index.overlap(c.worker_id, hashes)
+            cost = prefill_cost(self.overlap_weight, prompt_blocks, overlap, c.inflight_prefill_blocks)
+            out.append(WorkerScore(c.worker_id, overlap, float(c.inflight_prefill_blocks), cost))
+        return out
+
+    def route_prefill(self, hashes: Sequence[int], candidates: Sequence[Candidate], num_tokens: int,
+                      record: bool = True) -> Decision:
+        if not candidates:
+            raise NoCandidates("no prefill worker")
+        prompt_blocks = -(-num_tokens // self.block_size)
+        scores = self._score(hashes, candidates, prompt_blocks)
+        if self.mode == "round-robin":
+            i = next(self._rr) % len(candidates)
+        elif self.mode == "random":
+            i = self.rng.randrange(len(candidates))
+        else:
+            i = pick([s.cost for s in scores], self.temperature, self.rng)
+        chosen = scores[i]
+        if record and not self.use_kv_events:
+            self.index.record_routed(chosen.worker_id, hashes)
+        return Decision(chosen.worker_id, prompt_blocks, chosen.overlap_blocks, scores)
+
+    def route_decode(self, hashes: Sequence[int], candidates: Sequence[Candidate], num_tokens: int) -> Decision:
+        if not candidates:
+            raise NoCandidates("no decode worker")
+        prompt_blocks = -(-num_tokens // self.block_size)
+        scores = []
+        for c in candidates:
+            cost = decode_cost(c.active_blocks, c.queued_requests, prompt_blocks)
+            scores.append(WorkerScore(c.worker_id, self.index.overlap(c.worker_id, hashes), float(cost), cost))
+        i = pick([s.cost for s in scores], self.temperature, self.rng)
+        return Decision(scores[i].worker_id, prompt_blocks, scores[i].overlap_blocks, scores)

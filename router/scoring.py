@@ -1,0 +1,35 @@
+"""Routing costs as pure functions, and the picker. No state, no I/O.
+
+Prefill cost = overlap weight x (prompt blocks not cached on that worker)
+               + that worker's in-flight prefill blocks.
+Decode cost  = active blocks on that worker + its queued requests x blocks per request.
+Lowest cost wins; with temperature > 0 a worker is drawn with probability
+softmax(-cost / (temperature x spread)), spread being the cost range, so temperature is
+scale-free; ties among the lowest cost are broken at random, evenly.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Sequence
+
+
+def prefill_cost(weight: float, prompt_blocks: int, overlap_blocks: int, inflight_prefill_blocks: int) -> float:
+    return weight * (prompt_blocks - overlap_blocks) + inflight_prefill_blocks
+
+
+def decode_cost(active_blocks: int, queued_requests: int, blocks_per_request: float) -> float:
+    return active_blocks + queued_requests * blocks_per_request
+
+
+def pick(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+    if not costs:
+        raise ValueError("no candidates")
+    best = min(costs)
+    if temperature <= 0:
+        tied = [i for i, c in enumerate(costs) if c - best < 1e-9]
+        return tied[0] if len(tied) == 1 else rng.choice(tied)
+    spread = (max(costs) - best) or 1.0
+    weights = [math.exp(-(c - best) / (temperature * spread)) for c in costs]
+    return rng.choices(range(len(costs)), weights=weights)[0]
