@@ -40,6 +40,23 @@ def _add_log_arg(p: argparse.ArgumentParser) -> None:
                    choices=["debug", "info", "warning", "error"], help="log level (default: info)")
 
 
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--router-mode", choices=["kv", "round-robin", "random"], default="kv",
+                   help="how prefill workers are chosen: kv (KV-cache overlap and load), round-robin, random "
+                        "(default: kv)")
+    p.add_argument("--kv-overlap-score-weight", type=float, default=1.0,
+                   help="weight of uncached prompt blocks in the prefill cost (default: 1.0)")
+    p.add_argument("--router-temperature", type=float, default=0.0,
+                   help="0 picks the lowest cost; > 0 samples by softmax of -cost (default: 0)")
+    p.add_argument("--no-kv-events", action="store_true",
+                   help="route from the router's own decisions (approximate prefix index) instead of workers' KV events")
+    p.add_argument("--conditional-disagg-tokens", type=int, default=0,
+                   help="skip the prefill stage when the prompt's uncached part on the decode worker is below N "
+                        "tokens; 0 always splits (default: 0)")
+    p.add_argument("--prefill-timeout", type=float, default=60.0,
+                   help="seconds a prefill may take before the decode worker prefills locally (default: 60)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description="Prefill/decode disaggregated LLM serving on vLLM.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -78,6 +95,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: auto; env PDSERVE_KV_TRANSPORT)")
     w.add_argument("--kv-side-channel-port", type=int, default=0,
                    help="port of the KV side channel (handshake, acquire/release); 0 picks a free one (default: 0)")
+    w.add_argument("--no-kv-events", action="store_true",
+                   help="do not publish vLLM KV cache events (the router then routes by its own decisions)")
+    w.add_argument("--kv-events-port", type=int, default=0,
+                   help="port of the ZMQ KV-event publisher; 0 picks a free one (default: 0)")
     w.add_argument("--kv-fault-pause-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     _add_model_arg(w)
     _add_log_arg(w)
@@ -91,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may take in all (default: 600)")
     f.add_argument("--worker-read-timeout", type=float, default=120.0,
                    help="seconds to wait for the next token from a worker (default: 120)")
+    _add_router_args(f)
     _add_model_arg(f)
     _add_log_arg(f)
 
@@ -98,8 +120,15 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--host", default=DEFAULT_HOST, help="bind address for every process (default: 127.0.0.1)")
     u.add_argument("--port", type=int, default=8000, help="frontend port (default: 8000)")
     u.add_argument("--advertise-host", default=None, help="host others should dial (default: --host)")
-    u.add_argument("--mode", choices=["agg"], default="agg", help="serving mode (default: agg)")
-    u.add_argument("--workers", type=int, default=1, help="number of aggregated workers (default: 1)")
+    u.add_argument("--mode", choices=["agg", "disagg"], default="agg",
+                   help="agg: --workers aggregated workers; disagg: --prefill and --decode workers (default: agg)")
+    u.add_argument("--workers", type=int, default=1, help="agg mode: number of aggregated workers (default: 1)")
+    u.add_argument("--prefill", type=int, default=1, help="disagg mode: number of prefill workers (default: 1)")
+    u.add_argument("--decode", type=int, default=1, help="disagg mode: number of decode workers (default: 1)")
+    u.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="disagg mode: prefill workers' KV lease (default: 30)")
+    u.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype for every worker, e.g. fp8 (default: model's)")
+    _add_router_args(u)
     u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
     u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
     u.add_argument("--ready-timeout", type=float, default=180.0,
@@ -156,6 +185,15 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
         passthrough = [*passthrough, "--kv-transfer-config", kv_transfer_config(
             args.role, engine_id, settings.url.split("//")[1].rsplit(":", 1)[0], port, args.kv_lease_seconds,
             resolve(args.kv_transport), args.kv_fault_pause_seconds)]
+    if not args.no_kv_events and not any(a.startswith("--kv-events-config") for a in passthrough):
+        import json
+
+        host = settings.url.split("//")[1].rsplit(":", 1)[0]
+        ev_port = args.kv_events_port or _free_port(args.host)
+        bind = "0.0.0.0" if args.host in ("0.0.0.0", "::") else host
+        settings.kv_events_endpoint = f"tcp://{host}:{ev_port}"
+        passthrough = [*passthrough, "--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{bind}:{ev_port}", "topic": ""})]
     engine_args = parse_engine_args(model, passthrough, name)
     app = build_app(Worker(settings, engine_args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
@@ -181,7 +219,10 @@ def cmd_frontend(args: argparse.Namespace) -> int:
     settings = FrontendSettings(
         model=resolve_model(args.model), served_model_name=args.served_model_name or served_name(args.model),
         static_workers=args.worker, request_timeout_s=args.request_timeout,
-        worker_read_timeout_s=args.worker_read_timeout,
+        worker_read_timeout_s=args.worker_read_timeout, router_mode=args.router_mode,
+        kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
+        use_kv_events=not args.no_kv_events, conditional_disagg_tokens=args.conditional_disagg_tokens,
+        prefill_timeout_s=args.prefill_timeout,
     )
     uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=30)
@@ -191,10 +232,21 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from serve.launcher import Launcher, UpSettings
 
+    if min(args.workers, args.prefill, args.decode) < 0 or (args.mode == "agg" and args.workers < 1) \
+            or (args.mode == "disagg" and args.decode < 1):
+        raise PdserveError("need at least one agg worker (agg) or one decode worker (disagg)")
+    roles = ["agg"] * args.workers if args.mode == "agg" else ["prefill"] * args.prefill + ["decode"] * args.decode
+    frontend_args = ["--router-mode", args.router_mode, "--kv-overlap-score-weight", str(args.kv_overlap_score_weight),
+                     "--router-temperature", str(args.router_temperature),
+                     "--conditional-disagg-tokens", str(args.conditional_disagg_tokens),
+                     "--prefill-timeout", str(args.prefill_timeout)] + (["--no-kv-events"] if args.no_kv_events else [])
+    worker_args = ["--kv-lease-seconds", str(args.kv_lease_seconds)] + (
+        ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
     settings = UpSettings(
-        host=args.host, port=args.port, advertise_host=args.advertise_host, workers=args.workers,
+        host=args.host, port=args.port, advertise_host=args.advertise_host, roles=roles,
         worker_base_port=args.worker_base_port, model=args.model, served_model_name=args.served_model_name,
         kv_cache_gib=args.kv_cache_gib, ready_timeout_s=args.ready_timeout, log_level=args.log_level,
+        frontend_args=frontend_args, worker_args=worker_args,
     )
     return Launcher(settings).run()
 

@@ -14,13 +14,33 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 
 from serve.errors import PdserveError
 
 POLL_S = 0.5
+ENGINE_RSS_GIB = 3.5  # one vLLM engine's processes on CPU, without its KV cache (measured ~3-4 GB)
+
+
+def fit_kv_cache(requested_gib: float, n_workers: int, available_gib: float) -> float:
+    """KV cache GiB per worker so that all engines fit in memory (leaving 2 GiB spare)."""
+    room = (available_gib - 2.0) / n_workers - ENGINE_RSS_GIB
+    if room < 0.25:
+        raise PdserveError(f"{n_workers} workers need about {n_workers * (ENGINE_RSS_GIB + 0.25):.0f} GiB; "
+                           f"{available_gib:.1f} GiB available")
+    return min(requested_gib, room)
+
+
+def available_memory_gib() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 16.0
 
 
 @dataclass
@@ -28,7 +48,7 @@ class UpSettings:
     host: str = "127.0.0.1"
     port: int = 8000
     advertise_host: str | None = None
-    workers: int = 1
+    roles: list[str] = field(default_factory=lambda: ["agg"])
     worker_base_port: int = 8100
     model: str | None = None
     served_model_name: str | None = None
@@ -36,6 +56,8 @@ class UpSettings:
     ready_timeout_s: float = 180.0
     grace_s: float = 20.0
     log_level: str = "info"
+    frontend_args: list[str] = field(default_factory=list)
+    worker_args: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -95,25 +117,29 @@ class Launcher:
         common = ["--model", model, "--served-model-name", name, "--log-level", self.s.log_level]
         worker_urls = []
         deadline = time.monotonic() + self.s.ready_timeout_s
-        workers = []
-        for i in range(self.s.workers):
+        kv_gib = fit_kv_cache(self.s.kv_cache_gib, len(self.s.roles), available_memory_gib())
+        counts: dict[str, int] = {}
+        # Prefill workers first, then decode (or agg) workers, each pinned to its own core.
+        for i, role in enumerate(self.s.roles):
+            n = counts[role] = counts.get(role, -1) + 1
             port = self.s.worker_base_port + i
             url = f"http://{dial}:{port}"
             worker_urls.append(url)
-            args = ["worker", "--role", "agg", "--host", self.s.host, "--port", str(port),
-                    "--cpu-cores", str(i % ncpu), "--kv-cache-gib", f"{self.s.kv_cache_gib:g}",
-                    "--frontend", frontend_url, "--worker-id", f"agg-{i}", *common]
+            args = ["worker", "--role", role, "--host", self.s.host, "--port", str(port),
+                    "--cpu-cores", str(i % ncpu), "--kv-cache-gib", f"{kv_gib:g}",
+                    "--frontend", frontend_url, "--worker-id", f"{role}-{n}", *common, *self.s.worker_args]
             if self.s.advertise_host:
                 args += ["--advertise-host", self.s.advertise_host]
-            workers.append(self._spawn(f"worker agg-{i} ({url})", args, f"{url}/health"))
-        self._wait_ready(workers, deadline)
-        fargs = ["frontend", "--host", self.s.host, "--port", str(self.s.port), *common]
+            child = self._spawn(f"worker {role}-{n} ({url})", args, f"{url}/health")
+            self._wait_ready([child], deadline)
+        fargs = ["frontend", "--host", self.s.host, "--port", str(self.s.port), *common, *self.s.frontend_args]
         for url in worker_urls:
             fargs += ["--worker", url]
         frontend = self._spawn(f"frontend ({frontend_url})", fargs, f"{frontend_url}/health")
         self._wait_ready([frontend], time.monotonic() + 60)
         print(
-            f"\npdserve is up: OpenAI API at {frontend_url}/v1 (model {name!r}, {self.s.workers} agg worker(s))\n"
+            f"\npdserve is up: OpenAI API at {frontend_url}/v1 (model {name!r}, workers: "
+            f"{', '.join(f'{n + 1} {r}' for r, n in counts.items())})\n"
             f"  curl {frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"What is the capital of France?\"}}]}}'\n"

@@ -76,6 +76,8 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     max_model_len: int
     block_size: int
     kv_cache_dtype: str
+    num_kv_blocks: int = 0
+    kv_events_endpoint: str | None = None  # ZMQ PUB of vLLM KV events, for the router's prefix index
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -87,6 +89,7 @@ class WorkerLoad(msgspec.Struct, frozen=True, kw_only=True):
     running_requests: int
     waiting_requests: int
     kv_usage: float
+    active_blocks: int = 0
     draining: bool = False
 
 

@@ -51,6 +51,7 @@ class WorkerSettings:
     served_model_name: str = ""
     graceful_timeout_s: float = 30.0
     kv_transfer: bool = False
+    kv_events_endpoint: str | None = None
 
     @property
     def url(self) -> str:
@@ -140,6 +141,8 @@ class Worker:
             max_model_len=cfg.model_config.max_model_len,
             block_size=cfg.cache_config.block_size,
             kv_cache_dtype=str(cfg.cache_config.cache_dtype),
+            num_kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0),
+            kv_events_endpoint=self.settings.kv_events_endpoint,
         )
         log.info("worker %s ready in %.1fs at %s (max_model_len=%d, block_size=%d)",
                  self.worker_id, time.monotonic() - t0, self.settings.url,
@@ -314,6 +317,7 @@ class Worker:
             running_requests=self.stats.running,
             waiting_requests=self.stats.waiting,
             kv_usage=self.stats.kv_usage,
+            active_blocks=round(self.stats.kv_usage * (self.info.num_kv_blocks if self.info else 0)),
             draining=self.draining,
         )
 

@@ -32,7 +32,9 @@ from serve.frontend import openai_protocol as oai
 from serve.frontend.errors import APIError, bad_request, error_response, sse_error
 from serve.frontend.generate import Generation, TextEvent
 from serve.frontend.metrics import FrontendMetrics
+from serve.frontend.kv_events import KVEventSubscriber
 from serve.frontend.pool import WorkerPool
+from serve.frontend.routing import Routing
 from serve.frontend.settings import FrontendSettings
 from serve.frontend.tokenizer import Tokenizer, normalize_content
 from serve.http import DisconnectAwareStreamingResponse, cancel_on_disconnect
@@ -50,6 +52,9 @@ class Frontend:
         self.client: httpx.AsyncClient | None = None
         self.pool: WorkerPool | None = None
         self.generation: Generation | None = None
+        self.routing: Routing | None = None
+        self.kv_events: KVEventSubscriber | None = None
+        self._sync_task: asyncio.Task | None = None
         self._decode_registration = p.decoder(p.Registration)
         self._decode_abort = p.decoder(p.AbortRequest)
 
@@ -63,12 +68,36 @@ class Frontend:
         self.pool = WorkerPool(self.settings.served_model_name, self.settings.static_workers,
                                self.settings.poll_interval_s, self.settings.max_poll_failures, self.client)
         await self.pool.start()
+        self.routing = Routing(self.settings, self.pool)
         self.generation = Generation(self.pool, self.client, self.tokenizer, self.metrics,
-                                     self.settings.worker_read_timeout_s, self.settings.worker_connect_timeout_s)
+                                     self.settings.worker_read_timeout_s, self.settings.worker_connect_timeout_s,
+                                     self.routing, self.settings.prefill_timeout_s)
+        if self.settings.use_kv_events:
+            self.kv_events = KVEventSubscriber(self.routing.router.index)
+            self._sync_task = asyncio.create_task(self._sync_kv_events())
         log.info("frontend serving %s with %d worker(s) in rotation",
                  self.settings.served_model_name, len(self.pool.available()))
 
+    async def _sync_kv_events(self) -> None:
+        """Keep one KV-event subscription per worker in rotation that publishes events."""
+        assert self.pool is not None and self.kv_events is not None
+        while True:
+            live = set()
+            for e in self.pool.available():
+                if e.info is not None and e.info.kv_events_endpoint:
+                    live.add(e.url)
+                    self.kv_events.ensure(e.url, e.info.kv_events_endpoint)
+            for url in [u for u in self.kv_events.tasks if u not in live]:
+                self.kv_events.drop(url)
+            await asyncio.sleep(self.settings.poll_interval_s)
+
     async def stop(self) -> None:
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sync_task
+        if self.kv_events is not None:
+            await self.kv_events.stop()
         if self.pool is not None:
             await self.pool.stop()
         if self.client is not None:
@@ -100,7 +129,25 @@ class Frontend:
         for role in ("agg", "prefill", "decode"):
             self.metrics.workers.labels(role).set(
                 sum(1 for e in self.pool.available() if e.info is not None and e.info.role == role))
+        for e in self.pool.available():
+            if e.info is not None and e.load is not None:
+                self.metrics.worker_kv_usage.labels(e.url, e.info.role).set(e.load.kv_usage)
+                self.metrics.worker_active_blocks.labels(e.url, e.info.role).set(e.load.active_blocks)
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def route_explain(self, request: Request) -> Response:
+        """Dry run of the routing decision for a chat or completion body: nothing is sent."""
+        try:
+            body = await self._read_json(request)
+            kind = "chat" if isinstance(body, dict) and "messages" in body else "completions"
+            req = oai.parse(oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest, body)
+            prompt_ids = self._prompt_ids(req, kind)
+            assert self.routing is not None
+            return JSONResponse(self.routing.explain(prompt_ids))
+        except APIError as err:
+            return error_response(err)
+        except NoWorkerAvailable as exc:
+            return error_response(self._unavailable(exc))
 
     # -- discovery ----------------------------------------------------------------------
     async def register(self, request: Request) -> Response:
@@ -367,6 +414,7 @@ def build_app(settings: FrontendSettings, frontend: Frontend | None = None) -> F
     app.add_api_route("/v1/models", fe.models, methods=["GET"])
     app.add_api_route("/health", fe.health, methods=["GET"])
     app.add_api_route("/metrics", fe.get_metrics, methods=["GET"])
+    app.add_api_route("/v1/route/explain", fe.route_explain, methods=["POST"])
     app.add_api_route("/internal/register", fe.register, methods=["POST"])
     app.add_api_route("/internal/deregister", fe.deregister, methods=["POST"])
     app.add_api_route("/internal/workers", fe.list_workers, methods=["GET"])

@@ -23,7 +23,9 @@ import msgspec
 from serve import protocol as p
 from serve.errors import NoWorkerAvailable, WorkerError
 from serve.frontend.metrics import FrontendMetrics
+from kvtransfer.protocol import TransferParams
 from serve.frontend.pool import WorkerEntry, WorkerPool
+from serve.frontend.routing import Plan, Routing
 from serve.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.frontend")
@@ -40,8 +42,11 @@ class TextEvent:
 
 class Generation:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, tokenizer: Tokenizer,
-                 metrics: FrontendMetrics, read_timeout_s: float, connect_timeout_s: float) -> None:
+                 metrics: FrontendMetrics, read_timeout_s: float, connect_timeout_s: float,
+                 routing: Routing, prefill_timeout_s: float) -> None:
         self.pool = pool
+        self.routing = routing
+        self.prefill_timeout_s = prefill_timeout_s
         self.client = client
         self.tokenizer = tokenizer
         self.metrics = metrics
@@ -51,12 +56,25 @@ class Generation:
 
     async def run(self, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
                   stop: list[str] | None, deadline: float) -> AsyncIterator[TextEvent]:
-        body = p.encode(p.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling))
+        plan = self.routing.plan(prompt_ids)
+        kv_transfer = None
+        if plan.prefill is not None:
+            kv_transfer = await self._prefill(plan, request_id, prompt_ids, sampling, deadline)
+        elif plan.is_fallback:
+            self.metrics.prefill_fallbacks.labels("no_prefill_worker").inc()
+        self._observe_plan(plan)
+        body = p.encode(p.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
+                                          kv_transfer=kv_transfer))
         detok = IncrementalDetokenizer(self.tokenizer, stop)
+        roles = ("agg",) if plan.reason == "agg" else ("decode",)
         tried: set[str] = set()
+        first = plan.decode
+        blocks = plan.prompt_blocks
         while True:
-            worker = self._pick(tried)
+            worker = first if first is not None else self._pick(tried, roles)
+            first = None
             tried.add(worker.url)
+            self.routing.inflight_decode_blocks[worker.url] = self.routing.inflight_decode_blocks.get(worker.url, 0) + blocks
             started = False
             try:
                 async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids)):
@@ -69,14 +87,74 @@ class Generation:
                 log.warning("request %s: worker %s unreachable (%s)", request_id, worker.url, exc)
                 if started:
                     raise WorkerError(f"worker {worker.url} unreachable") from exc
+            finally:
+                self.routing.inflight_decode_blocks[worker.url] -= blocks
 
-    def _pick(self, tried: set[str]) -> WorkerEntry:
-        candidates = [w for w in self.pool.available() if w.url not in tried]
+    def _pick(self, tried: set[str], roles: tuple[str, ...]) -> WorkerEntry:
+        candidates = [w for w in self.pool.available(roles) if w.url not in tried]
         if not candidates:
             raise NoWorkerAvailable("no worker available")
-        if len(candidates) == len(self.pool.available()):
-            return self.pool.pick()
-        return candidates[0]
+        return min(candidates, key=lambda w: w.inflight)
+
+    def _observe_plan(self, plan: Plan) -> None:
+        m = self.metrics
+        pd, dd = plan.prefill_decision, plan.decode_decision
+        if pd is not None:
+            m.router_decisions.labels("prefill", pd.worker_id).inc()
+            m.router_cached_ratio.observe(pd.cached_ratio)
+        if dd is not None:
+            m.router_decisions.labels("decode", dd.worker_id).inc()
+        m.paths.labels(plan.reason).inc()
+
+    async def _prefill(self, plan: Plan, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
+                       deadline: float) -> TransferParams | None:
+        """Run the prompt on the prefill worker and return its transfer params; on any failure
+        (error, timeout, unreachable) count a fallback and return None: the decode worker then
+        runs the prefill itself."""
+        worker = plan.prefill
+        assert worker is not None
+        blocks = plan.prompt_blocks
+        self.routing.inflight_prefill_blocks[worker.url] = self.routing.inflight_prefill_blocks.get(worker.url, 0) + blocks
+        worker.inflight += 1
+        body = p.encode(p.GenerateRequest(
+            request_id=request_id, prompt_token_ids=prompt_ids, remote_decode=True,
+            sampling=msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0)))
+        timeout = max(0.1, min(self.prefill_timeout_s, deadline - time.monotonic()))
+        reason = None
+        try:
+            async with asyncio.timeout(timeout):
+                r = await self.client.post(f"{worker.url}/generate", content=body,
+                                           headers={"content-type": "application/json", "x-request-id": request_id},
+                                           timeout=httpx.Timeout(timeout, connect=self.connect_timeout_s))
+                if r.status_code != 200:
+                    raise WorkerError(f"HTTP {r.status_code}: {r.text[:200]}")
+                params = None
+                for line in r.content.splitlines():
+                    if line:
+                        delta = self._decode_delta(line)
+                        if delta.error is not None:
+                            raise WorkerError(delta.error)
+                        params = delta.kv_transfer or params
+                if params is None:
+                    raise WorkerError("prefill finished without KV transfer params")
+                return params
+        except TimeoutError:
+            reason = "timeout"
+        except httpx.ConnectError:
+            reason = "unreachable"
+            self.pool.report_failure(worker.url)
+        except (WorkerError, httpx.HTTPError, msgspec.DecodeError) as exc:
+            reason = "error"
+            if not isinstance(exc, WorkerError):
+                self.pool.report_failure(worker.url)
+            log.warning("request %s: prefill on %s failed: %s", request_id, worker.url, exc)
+        finally:
+            worker.inflight -= 1
+            self.routing.inflight_prefill_blocks[worker.url] -= blocks
+        log.warning("request %s: prefill on %s failed (%s); decode worker prefills locally",
+                    request_id, worker.url, reason)
+        self.metrics.prefill_fallbacks.labels(reason).inc()
+        return None
 
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,
                       deadline: float, n_prompt: int) -> AsyncIterator[TextEvent]:

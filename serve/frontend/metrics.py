@@ -30,6 +30,21 @@ class FrontendMetrics:
                              buckets=TOKEN_BUCKETS, registry=r)
         self.cached = Counter("pdserve_frontend_cached_tokens", "Prompt tokens served from a prefix cache",
                               registry=r)
+        self.prefill_fallbacks = Counter(
+            "pdserve_frontend_prefill_fallbacks", "Requests whose prefill ran on the decode worker instead",
+            ["reason"], registry=r)
+        self.paths = Counter("pdserve_frontend_request_paths",
+                             "Requests by path: agg, disagg, conditional (prefill skipped), no-prefill-worker",
+                             ["path"], registry=r)
+        self.router_decisions = Counter("pdserve_router_decisions", "Routing decisions by stage and worker",
+                                        ["stage", "worker"], registry=r)
+        self.router_cached_ratio = Histogram(
+            "pdserve_router_cached_token_ratio", "Share of the prompt's blocks cached on the chosen prefill worker",
+            buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
+        self.worker_kv_usage = Gauge("pdserve_worker_kv_usage_ratio", "KV usage per worker (polled)", ["worker", "role"],
+                                     registry=r)
+        self.worker_active_blocks = Gauge("pdserve_worker_active_blocks", "Active KV blocks per worker (polled)",
+                                          ["worker", "role"], registry=r)
         self.workers = Gauge("pdserve_frontend_workers", "Workers in rotation", ["role"], registry=r)
 
     def render(self) -> bytes:

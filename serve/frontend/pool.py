@@ -152,15 +152,16 @@ class WorkerPool:
             log.warning("worker at %s left rotation after %d failures", url, entry.failures)
 
     # -- choosing -----------------------------------------------------------------------
-    def available(self) -> list[WorkerEntry]:
-        return [e for e in self.workers.values() if e.in_rotation]
+    def available(self, roles: tuple[str, ...] | None = None) -> list[WorkerEntry]:
+        return [e for e in self.workers.values()
+                if e.in_rotation and (roles is None or (e.info is not None and e.info.role in roles))]
 
     def max_model_len(self) -> int | None:
         lens = [e.info.max_model_len for e in self.available() if e.info is not None]
         return min(lens) if lens else None
 
-    def pick(self) -> WorkerEntry:
-        entries = self.available()
+    def pick(self, roles: tuple[str, ...] | None = None) -> WorkerEntry:
+        entries = self.available(roles)
         if not entries:
             raise NoWorkerAvailable("no worker available")
         views = [

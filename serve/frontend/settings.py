@@ -18,3 +18,11 @@ class FrontendSettings:
     max_poll_failures: int = 3
     retry_after_s: int = 5
     max_body_bytes: int = 4 * 1024 * 1024
+    # Disaggregated serving (used when prefill workers are registered).
+    router_mode: str = "kv"
+    kv_overlap_score_weight: float = 1.0
+    router_temperature: float = 0.0
+    use_kv_events: bool = True
+    conditional_disagg_tokens: int = 0
+    prefill_timeout_s: float = 60.0
+    block_size: int = 128

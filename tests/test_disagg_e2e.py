@@ -1,0 +1,183 @@
+"""Disaggregated serving end to end: frontend + prefill worker(s) + decode worker, real HTTP.
+
+Greedy answers equal aggregated mode's, the prefill worker really serves the prompts (its
+request counter) with no fallback, KV-aware routing sends shared prefixes back to the
+worker that has them, and losing the only prefill worker degrades to local prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL, Proc, free_port
+from tests.workerclient import metric, metrics, wait_for
+
+pytestmark = pytest.mark.engine
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}],
+    [{"role": "user", "content": "Count from one to ten in words, separated by commas."}],
+]
+
+
+def start_worker(role: str, core: int, model_dir: str, frontend: str | None = None, port: int | None = None,
+                 extra: list[str] | None = None) -> tuple[Proc, str]:
+    port = port or free_port()
+    args = ["worker", "--role", role, "--port", str(port), "--model", model_dir, "--served-model-name", MODEL,
+            "--cpu-cores", str(core), "--kv-cache-gib", "1", "--max-num-seqs", "8", "--max-model-len", "4096",
+            "--lease-seconds", "2", *(extra or [])]
+    if frontend:
+        args += ["--frontend", frontend]
+    proc = Proc(f"disagg-{role}", args)
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http(f"{url}/health", 420)
+    return proc, url
+
+
+def start_frontend(model_dir: str, extra: list[str]) -> tuple[Proc, str]:
+    port = free_port()
+    proc = Proc("disagg-frontend", ["frontend", "--port", str(port), "--model", model_dir,
+                                    "--served-model-name", MODEL, *extra])
+    url = f"http://127.0.0.1:{port}"
+    wait_for(lambda: _models_ok(url), 60, "frontend up")
+    return proc, url
+
+
+def _models_ok(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def roles_in_rotation(url: str) -> list[str]:
+    return sorted(w["role"] for w in httpx.get(f"{url}/internal/workers").json()["workers"] if w["in_rotation"])
+
+
+@pytest.fixture(scope="module")
+def disagg(model_dir):
+    procs = []
+    try:
+        fe, furl = start_frontend(model_dir, ["--prefill-timeout", "30"])
+        procs.append(fe)
+        p, purl = start_worker("prefill", 0, model_dir, furl)
+        procs.append(p)
+        d, durl = start_worker("decode", 1, model_dir, furl)
+        procs.append(d)
+        wait_for(lambda: roles_in_rotation(furl) == ["decode", "prefill"], 30, "both workers registered")
+        yield {"frontend": furl, "prefill": purl, "decode": durl, "procs": procs, "model_dir": model_dir}
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def chat(url: str, messages, stream: bool = False, **kw) -> tuple[str, dict]:
+    body = {"model": MODEL, "messages": messages, "temperature": 0, "max_tokens": 40, **kw}
+    if not stream:
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return j["choices"][0]["message"]["content"], j["usage"]
+    text, usage = "", {}
+    with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                assert "error" not in ev, ev
+                if ev.get("choices"):
+                    text += ev["choices"][0]["delta"].get("content") or ""
+                if ev.get("usage"):
+                    usage = ev["usage"]
+    return text, usage
+
+
+def test_disagg_answers_equal_agg_and_prefill_worker_serves(disagg, frontend):
+    furl = disagg["frontend"]
+    p0 = metrics(disagg["prefill"])
+    d0 = metrics(disagg["decode"])
+    for messages in PROMPTS:
+        agg_text, _ = chat(frontend, messages)
+        for stream in (False, True):
+            text, usage = chat(furl, messages, stream=stream)
+            assert text == agg_text, (messages, stream)
+            assert usage["completion_tokens"] > 0
+    p1, d1 = metrics(disagg["prefill"]), metrics(disagg["decode"])
+    fm = metrics(furl)
+    assert sum(v for (n, _), v in fm.items() if n == "pdserve_frontend_prefill_fallbacks_total") == 0
+    assert metric(fm, "pdserve_frontend_request_paths_total", path="disagg") >= 6
+    served = (metric(p1, "pdserve_worker_requests_total", role="prefill", outcome="ok")
+              - metric(p0, "pdserve_worker_requests_total", role="prefill", outcome="ok"))
+    assert served == 6
+    assert metric(d1, "pdserve_kv_reads_total") - metric(d0, "pdserve_kv_reads_total") >= 3
+    # The request id reaches both workers' logs.
+    rid = "disagg-trace-1"
+    r = httpx.post(f"{furl}/v1/chat/completions", headers={"x-request-id": rid}, timeout=60,
+                   json={"model": MODEL, "messages": PROMPTS[0], "max_tokens": 4})
+    assert r.headers["x-request-id"] == rid
+    p_proc, d_proc = disagg["procs"][1], disagg["procs"][2]
+    wait_for(lambda: f"request {rid}" in p_proc.log_path.read_text() and f"request {rid}" in d_proc.log_path.read_text(),
+             10, "request id in both workers' logs")
+
+
+def test_route_explain_is_a_dry_run(disagg):
+    furl = disagg["frontend"]
+    before = metrics(disagg["prefill"])
+    r = httpx.post(f"{furl}/v1/route/explain", json={"model": MODEL, "messages": PROMPTS[0]})
+    assert r.status_code == 200, r.text
+    ex = r.json()
+    assert ex["path"] == "disagg" and ex["prompt_tokens"] > 0
+    assert ex["prefill"]["chosen"] == disagg["prefill"]
+    assert ex["decode"]["chosen"] == disagg["decode"]
+    w = ex["prefill"]["workers"][0]
+    assert set(w) == {"worker", "overlap_blocks", "load", "cost"}
+    after = metrics(disagg["prefill"])
+    assert metric(after, "pdserve_worker_requests_total", role="prefill", outcome="ok") == \
+        metric(before, "pdserve_worker_requests_total", role="prefill", outcome="ok")
+
+
+def test_conditional_disagg_skips_prefill_for_short_uncached_prompts(disagg):
+    proc, url = start_frontend(disagg["model_dir"], ["--worker", disagg["prefill"], "--worker", disagg["decode"],
+                                                     "--conditional-disagg-tokens", "200"])
+    try:
+        wait_for(lambda: roles_in_rotation(url) == ["decode", "prefill"], 30, "workers in rotation")
+        ex = httpx.post(f"{url}/v1/route/explain", json={"model": MODEL, "messages": PROMPTS[0]}).json()
+        assert ex["path"] == "conditional" and ex["prefill"] is None
+        long_msg = [{"role": "user", "content": " ".join(f"item {i}" for i in range(200))}]
+        assert httpx.post(f"{url}/v1/route/explain", json={"model": MODEL, "messages": long_msg}).json()["path"] \
+            == "disagg"
+        text, _ = chat(url, PROMPTS[0])
+        assert "Paris" in text
+    finally:
+        proc.stop()
+
+
+def test_killing_the_only_prefill_worker_falls_back_then_recovers(disagg):
+    furl = disagg["frontend"]
+    p_proc = disagg["procs"][1]
+    port = int(disagg["prefill"].rsplit(":", 1)[1])
+    p_proc.stop(sig=signal.SIGKILL)
+    # Requests keep answering (the decode worker prefills locally) while the worker leaves rotation.
+    for _ in range(3):
+        text, _ = chat(furl, PROMPTS[0])
+        assert "Paris" in text
+    wait_for(lambda: roles_in_rotation(furl) == ["decode"], 30, "dead prefill worker out of rotation")
+    fm = metrics(furl)
+    assert sum(v for (n, _), v in fm.items() if n == "pdserve_frontend_prefill_fallbacks_total") >= 3
+    text, _ = chat(furl, PROMPTS[0])
+    assert "Paris" in text
+    # Restarted on the same port, it comes back.
+    p2, _ = start_worker("prefill", 0, disagg["model_dir"], furl, port=port)
+    disagg["procs"][1] = p2
+    wait_for(lambda: roles_in_rotation(furl) == ["decode", "prefill"], 30, "prefill worker back in rotation")
+    before = metric(metrics(disagg["prefill"]), "pdserve_worker_requests_total", role="prefill", outcome="ok")
+    text, _ = chat(furl, PROMPTS[0])
+    assert "Paris" in text
+    assert metric(metrics(disagg["prefill"]), "pdserve_worker_requests_total", role="prefill", outcome="ok") == before + 1
