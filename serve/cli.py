@@ -190,10 +190,11 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
 
         host = settings.url.split("//")[1].rsplit(":", 1)[0]
         ev_port = args.kv_events_port or _free_port(args.host)
-        bind = "0.0.0.0" if args.host in ("0.0.0.0", "::") else host
         settings.kv_events_endpoint = f"tcp://{host}:{ev_port}"
+        # vLLM's publisher binds only wildcard endpoints (an explicit host makes it connect),
+        # so it listens on all interfaces; routers subscribe to the advertised address.
         passthrough = [*passthrough, "--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://{bind}:{ev_port}", "topic": ""})]
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}", "topic": ""})]
     engine_args = parse_engine_args(model, passthrough, name)
     app = build_app(Worker(settings, engine_args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,

@@ -79,11 +79,13 @@ class Frontend:
                  self.settings.served_model_name, len(self.pool.available()))
 
     async def _sync_kv_events(self) -> None:
-        """Keep one KV-event subscription per worker in rotation that publishes events."""
+        """Keep one KV-event subscription per known worker that publishes events. A worker
+        briefly out of rotation keeps its subscription and index; one that left the pool
+        loses both."""
         assert self.pool is not None and self.kv_events is not None
         while True:
             live = set()
-            for e in self.pool.available():
+            for e in list(self.pool.workers.values()):
                 if e.info is not None and e.info.kv_events_endpoint:
                     live.add(e.url)
                     self.kv_events.ensure(e.url, e.info.kv_events_endpoint)

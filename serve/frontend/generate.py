@@ -58,8 +58,11 @@ class Generation:
                   stop: list[str] | None, deadline: float) -> AsyncIterator[TextEvent]:
         plan = self.routing.plan(prompt_ids)
         kv_transfer = None
+        prefill_cached: int | None = None
         if plan.prefill is not None:
-            kv_transfer = await self._prefill(plan, request_id, prompt_ids, sampling, deadline)
+            done = await self._prefill(plan, request_id, prompt_ids, sampling, deadline)
+            if done is not None:
+                kv_transfer, prefill_cached = done
         elif plan.is_fallback:
             self.metrics.prefill_fallbacks.labels("no_prefill_worker").inc()
         self._observe_plan(plan)
@@ -79,6 +82,10 @@ class Generation:
             try:
                 async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids)):
                     started = True
+                    if event.finish_reason is not None and prefill_cached is not None:
+                        # The decode engine counts transferred tokens as cached; the client's
+                        # cached tokens are the prefill engine's prefix-cache hits.
+                        event.cached_tokens = prefill_cached
                     yield event
                 return
             except httpx.ConnectError as exc:
@@ -107,7 +114,7 @@ class Generation:
         m.paths.labels(plan.reason).inc()
 
     async def _prefill(self, plan: Plan, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
-                       deadline: float) -> TransferParams | None:
+                       deadline: float) -> tuple[TransferParams, int] | None:
         """Run the prompt on the prefill worker and return its transfer params; on any failure
         (error, timeout, unreachable) count a fallback and return None: the decode worker then
         runs the prefill itself."""
@@ -128,16 +135,17 @@ class Generation:
                                            timeout=httpx.Timeout(timeout, connect=self.connect_timeout_s))
                 if r.status_code != 200:
                     raise WorkerError(f"HTTP {r.status_code}: {r.text[:200]}")
-                params = None
+                params, cached = None, 0
                 for line in r.content.splitlines():
                     if line:
                         delta = self._decode_delta(line)
                         if delta.error is not None:
                             raise WorkerError(delta.error)
                         params = delta.kv_transfer or params
+                        cached = delta.num_cached_tokens if delta.num_cached_tokens is not None else cached
                 if params is None:
                     raise WorkerError("prefill finished without KV transfer params")
-                return params
+                return params, cached
         except TimeoutError:
             reason = "timeout"
         except httpx.ConnectError:

@@ -34,6 +34,8 @@ class KVEventSubscriber:
             return
         if current is not None:
             current[1].cancel()
+            if current[0] != endpoint:
+                self.index.remove_worker(worker_id)  # a new engine behind this worker: its cache starts empty
         self.tasks[worker_id] = (endpoint, asyncio.create_task(self._run(worker_id, endpoint)))
 
     def drop(self, worker_id: str) -> None:

@@ -1,0 +1,66 @@
+"""KV-aware routing with two prefill workers and real KV events: a follow-up that shares a
+long prefix lands on the prefill worker that served the prefix, and reports cached tokens."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.conftest import MODEL
+from tests.test_disagg_e2e import roles_in_rotation, start_frontend, start_worker
+from tests.workerclient import metric, metrics, wait_for
+
+pytestmark = pytest.mark.engine
+
+
+def served(urls: list[str]) -> dict[str, float]:
+    return {u: metric(metrics(u), "pdserve_worker_requests_total", role="prefill", outcome="ok") for u in urls}
+
+
+def one_more(before: dict[str, float], now: dict[str, float]) -> dict[str, float] | None:
+    return now if sum(now.values()) == sum(before.values()) + 1 else None
+
+
+def test_shared_prefixes_return_to_their_prefill_worker(model_dir):
+    procs = []
+    try:
+        fe, furl = start_frontend(model_dir, [])
+        procs.append(fe)
+        p0, u0 = start_worker("prefill", 0, model_dir, furl)
+        procs.append(p0)
+        p1, u1 = start_worker("prefill", 1, model_dir, furl)
+        procs.append(p1)
+        d, _ = start_worker("decode", 0, model_dir, furl)
+        procs.append(d)
+        wait_for(lambda: roles_in_rotation(furl) == ["decode", "prefill", "prefill"], 30, "workers registered")
+        hits = 0
+        for i in range(10):
+            prefix = f"Document {i}. " + " ".join(f"Fact {i}.{j}: value {(i * 31 + j * 7) % 101}." for j in range(90))
+            first = [{"role": "system", "content": prefix}, {"role": "user", "content": "Summarize fact 3."}]
+            before = served([u0, u1])
+            r = httpx.post(f"{furl}/v1/chat/completions", timeout=120,
+                           json={"model": MODEL, "messages": first, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            # The worker counts a request just after its stream ends: wait for the count.
+            after = wait_for(lambda: one_more(before, served([u0, u1])), 10, "prefill request counted")
+            owner = next(u for u in (u0, u1) if after[u] == before[u] + 1)
+            follow = [{"role": "system", "content": prefix}, {"role": "user", "content": "Now summarize fact 9."}]
+            # The owner's KV events reach the router's index shortly after the prefill.
+            wait_for(lambda: httpx.post(f"{furl}/v1/route/explain", json={"model": MODEL, "messages": follow})
+                     .json()["prefill"]["chosen"] == owner, 10, f"prefix {i} indexed on {owner}")
+            before = served([u0, u1])
+            explained = httpx.post(f"{furl}/v1/route/explain", json={"model": MODEL, "messages": follow}).json()
+            r = httpx.post(f"{furl}/v1/chat/completions", timeout=120,
+                           json={"model": MODEL, "messages": follow, "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200
+            after = wait_for(lambda: one_more(before, served([u0, u1])), 10, "prefill request counted")
+            assert after[owner] == before[owner] + 1, f"follow-up {i} went elsewhere: {explained} {before} {after}"
+            cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= 128, cached
+            hits += 1
+        assert hits == 10
+        ratio = metrics(furl)
+        assert metric(ratio, "pdserve_router_cached_token_ratio_count") >= 20
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
