@@ -30,12 +30,27 @@ class PrefixIndex:
         self.ttl_s = ttl_s
         self.clock = clock
         self.workers: dict[str, WorkerBlocks] = {}
+        self.holders: dict[int, dict[str, float]] = {}  # our hash -> {worker: expiry}: one walk scores all
 
     def _worker(self, worker: str) -> WorkerBlocks:
         return self.workers.setdefault(worker, WorkerBlocks())
 
     def remove_worker(self, worker: str) -> None:
-        self.workers.pop(worker, None)
+        w = self.workers.pop(worker, None)
+        if w is not None:
+            for h in w.blocks:
+                self._unhold(h, worker)
+
+    def _hold(self, h: int, worker: str, expiry: float) -> None:
+        self.workers[worker].blocks[h] = expiry
+        self.holders.setdefault(h, {})[worker] = expiry
+
+    def _unhold(self, h: int, worker: str) -> None:
+        held = self.holders.get(h)
+        if held is not None:
+            held.pop(worker, None)
+            if not held:
+                del self.holders[h]
 
     def num_blocks(self) -> int:
         return sum(len(w.blocks) for w in self.workers.values())
@@ -55,31 +70,53 @@ class PrefixIndex:
                 if len(tokens) < bs:
                     break
                 parent = chain(parent, tokens)
-                w.blocks[parent] = float("inf")
+                self._hold(parent, worker, float("inf"))
                 w.by_engine_hash[_key(engine_hash)] = parent
         elif isinstance(event, BlockRemoved):
             for engine_hash in event.block_hashes:
                 ours = w.by_engine_hash.pop(_key(engine_hash), None)
                 if ours is not None:
                     w.blocks.pop(ours, None)
+                    self._unhold(ours, worker)
         elif isinstance(event, AllBlocksCleared):
+            for h in w.blocks:
+                self._unhold(h, worker)
             w.blocks.clear()
             w.by_engine_hash.clear()
 
     def record_routed(self, worker: str, hashes: Sequence[int]) -> None:
         """Approximate mode: the chosen worker will hold these blocks for a while."""
         expiry = self.clock() + self.ttl_s
-        w = self._worker(worker)
+        self._worker(worker)
         for h in hashes:
-            w.blocks[h] = expiry
+            self._hold(h, worker, expiry)
 
     def expire(self) -> None:
         now = self.clock()
-        for w in self.workers.values():
+        for name, w in self.workers.items():
             for h in [h for h, exp in w.blocks.items() if exp <= now]:
                 del w.blocks[h]
+                self._unhold(h, name)
 
     # -- reads ------------------------------------------------------------------------
+    def overlaps(self, hashes: Sequence[int]) -> dict[str, int]:
+        """Leading prompt blocks held, for every worker holding at least the first one,
+        in one walk over the prompt (the set of matching workers only shrinks)."""
+        now = self.clock()
+        out: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, h in enumerate(hashes):
+            held = self.holders.get(h)
+            if not held:
+                break
+            here = {w for w, exp in held.items() if exp > now}
+            alive = here if alive is None else alive & here
+            if not alive:
+                break
+            for w in alive:
+                out[w] = i + 1
+        return out
+
     def overlap(self, worker: str, hashes: Sequence[int]) -> int:
         """Leading blocks of the prompt that `worker` holds."""
         w = self.workers.get(worker)

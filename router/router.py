@@ -31,8 +31,8 @@ class Candidate:
     queued_requests: int = 0
 
 
-@dataclass(frozen=True)
-class WorkerScore:
+@dataclass(slots=True)
+class WorkerScore:  # plain slots dataclass: one is built per worker per decision (hot path)
     worker_id: str
     overlap_blocks: int
     load: float
@@ -69,12 +69,10 @@ class PrefillRouter:
         return block_hashes(token_ids, self.block_size)
 
     def _score(self, hashes: Sequence[int], candidates: Sequence[Candidate], prompt_blocks: int) -> list[WorkerScore]:
-        out = []
-        for c in candidates:
-            overlap = self.index.overlap(c.worker_id, hashes)
-            cost = prefill_cost(self.overlap_weight, prompt_blocks, overlap, c.inflight_prefill_blocks)
-            out.append(WorkerScore(c.worker_id, overlap, float(c.inflight_prefill_blocks), cost))
-        return out
+        overlaps = self.index.overlaps(hashes)
+        w = self.overlap_weight
+        return [WorkerScore(c.worker_id, (o := overlaps.get(c.worker_id, 0)), float(c.inflight_prefill_blocks),
+                            prefill_cost(w, prompt_blocks, o, c.inflight_prefill_blocks)) for c in candidates]
 
     def route_prefill(self, hashes: Sequence[int], candidates: Sequence[Candidate], num_tokens: int,
                       record: bool = True) -> Decision:
@@ -98,8 +96,9 @@ class PrefillRouter:
             raise NoCandidates("no decode worker")
         prompt_blocks = -(-num_tokens // self.block_size)
         scores = []
+        overlaps = self.index.overlaps(hashes)
         for c in candidates:
             cost = decode_cost(c.active_blocks, c.queued_requests, prompt_blocks)
-            scores.append(WorkerScore(c.worker_id, self.index.overlap(c.worker_id, hashes), float(cost), cost))
+            scores.append(WorkerScore(c.worker_id, overlaps.get(c.worker_id, 0), float(cost), cost))
         i = pick([s.cost for s in scores], self.temperature, self.rng)
         return Decision(scores[i].worker_id, prompt_blocks, scores[i].overlap_blocks, scores)

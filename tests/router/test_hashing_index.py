@@ -69,3 +69,20 @@ def test_approximate_mode_expires():
     assert idx.overlap("w", h) == 0
     idx.expire()
     assert idx.num_blocks() == 0
+
+
+def test_overlaps_for_all_workers_in_one_walk_agree_with_per_worker_overlap():
+    import random
+
+    rng = random.Random(5)
+    idx = PrefixIndex(BS, ttl_s=1e9)
+    base = [rng.randrange(100) for _ in range(40)]
+    h = block_hashes(base, BS)
+    for w, n in (("a", 10), ("b", 3), ("c", 0), ("d", 7)):
+        idx.record_routed(w, h[:n])
+    idx.record_routed("e", h[2:9])  # holds later blocks but not the first: no leading overlap
+    got = idx.overlaps(h)
+    assert got == {"a": 10, "b": 3, "d": 7}
+    assert all(idx.overlap(w, h) == got.get(w, 0) for w in "abcde")
+    idx.remove_worker("a")
+    assert idx.overlaps(h) == {"b": 3, "d": 7}
