@@ -50,12 +50,14 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-def test_up_serves_then_sigterm_leaves_no_process(model_dir):
+@pytest.mark.parametrize("mode", ["agg", "disagg"])
+def test_up_serves_then_sigterm_leaves_no_process(model_dir, mode):
     port, wport = free_port(), free_port()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    log = open(LOG_DIR / f"up-{time.time_ns()}.log", "wb")
+    log = open(LOG_DIR / f"up-{mode}-{time.time_ns()}.log", "wb")
+    layout = ["--workers", "1"] if mode == "agg" else ["--mode", "disagg", "--prefill", "1", "--decode", "1"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "serve.cli", "up", "--port", str(port), "--workers", "1",
+        [sys.executable, "-m", "serve.cli", "up", "--port", str(port), *layout,
          "--worker-base-port", str(wport), "--model", model_dir, "--served-model-name", MODEL],
         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -74,6 +76,8 @@ def test_up_serves_then_sigterm_leaves_no_process(model_dir):
             "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "temperature": 0, "max_tokens": 20})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
+        roles = sorted(w["role"] for w in httpx.get(f"{url}/internal/workers").json()["workers"])
+        assert roles == (["agg"] if mode == "agg" else ["decode", "prefill"])
         kids = descendants(proc.pid)
         names = " | ".join(cmdline(k) for k in kids)
         assert "VLLM::EngineCore" in names or "EngineCore" in names, names
