@@ -106,6 +106,9 @@ class PdWorker:
         self._reads: dict[str, Read] = {}
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
+        # Counted by the side-channel thread under the lock, folded into stats per step.
+        self._released_blocks = 0
+        self._expiries = 0
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -165,14 +168,14 @@ class PdWorker:
             hold = self._holds.pop(msg.request_id, None)
             if hold is not None:
                 self._to_free.add(msg.request_id)
-                self.stats.data["blocks_released"] += hold.blocks
+                self._released_blocks += hold.blocks
         return Reply("ok")
 
     def _expire(self, rid: str) -> None:
         """Caller holds the lock."""
         hold = self._holds.pop(rid)
         self._to_free.add(rid)
-        self.stats.data["lease_expiries"] += 1
+        self._expiries += 1
         log.info("kvtransfer: lease of %s expired (%d blocks freed unread)", rid, hold.blocks)
 
     def _sweep_leases(self) -> None:
@@ -327,6 +330,10 @@ class PdWorker:
                 self._start_read(spec)
             except TransferFailed as exc:
                 self._fail(spec, str(exc))
+            except Exception as exc:  # never let a transfer problem take the engine down
+                log.exception("kvtransfer: unexpected error starting the read of %s", spec.request_id)
+                self._fail(spec, f"{type(exc).__name__}: {exc}")
+                self._release_remote(spec.remote)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         self._finished_seen |= finished_req_ids
@@ -341,6 +348,9 @@ class PdWorker:
                 self._forget(r)
             self._finished_seen -= sending
             self.stats.data["held_blocks"] = sum(h.blocks for h in self._holds.values())
+            self.stats.data["blocks_released"] += self._released_blocks
+            self.stats.data["lease_expiries"] += self._expiries
+            self._released_blocks = self._expiries = 0
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
         return sending, recving, failed
