@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -30,18 +28,11 @@ from pathlib import Path
 import httpx
 
 from bench.client import percentile, stream_chat
+from bench.procs import free_port, stop_group, wait_ready
 
 MODEL = "smollm2-135m-instruct"
 SESSIONS, TURNS, PREFIX_TOKENS, ANSWER_TOKENS = 8, 4, 1000, 24
 SHORT_STREAMS, SHORT_OUTPUT, LONG_TOKENS, LONG_EVERY_S, MIXED_SECONDS = 4, 160, 2000, 2.0, 40
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
@@ -53,26 +44,17 @@ class Stack:
         p = subprocess.Popen([sys.executable, "-m", "serve.cli", *args], stdout=self.log, stderr=subprocess.STDOUT,
                              start_new_session=True)
         self.procs.append(p)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if p.poll() is not None:
-                raise RuntimeError(f"{args[0]} exited with {p.returncode}")
-            try:
-                if httpx.get(health, timeout=2).status_code == 200:
-                    return health.rsplit("/", 1)[0]
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"not ready: {health}")
+        wait_ready(health, [p])
+        return health.rsplit("/", 1)[0]
 
     def worker(self, role: str, core: int, model: str) -> str:
-        port = _port()
+        port = free_port()
         return self.spawn(["worker", "--role", role, "--port", str(port), "--model", model, "--served-model-name",
                            MODEL, "--cpu-cores", str(core), "--kv-cache-gib", "1", "--max-num-seqs", "16",
                            "--log-level", "warning"], f"http://127.0.0.1:{port}/health")
 
     def frontend(self, model: str, workers: list[str], extra: list[str]) -> str:
-        port = _port()
+        port = free_port()
         args = ["frontend", "--port", str(port), "--model", model, "--served-model-name", MODEL,
                 "--log-level", "warning", *extra]
         for w in workers:
@@ -80,20 +62,7 @@ class Stack:
         return self.spawn(args, f"http://127.0.0.1:{port}/health")
 
     def stop(self) -> None:
-        for p in reversed(self.procs):
-            try:
-                os.killpg(p.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-        for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            try:
-                os.killpg(p.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        stop_group(self.procs)
 
 
 def session_prefix(tag: str, s: int) -> str:

@@ -15,8 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,6 +22,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from bench.procs import free_port, stop_group, wait_ready
 
 MODEL_NAME = "smollm2-135m-instruct"
 PROMPTS = [
@@ -36,47 +36,9 @@ PROMPTS = [
 ]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def cpu_env() -> dict[str, str]:
     return {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_NO_USAGE_STATS": "1"}
-
-
-def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise RuntimeError(f"server exited with {p.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"not ready: {url}")
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        try:
-            os.killpg(p.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-    for p in procs:
-        try:
-            p.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            pass
-        try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 def start_vllm(model: str, log) -> tuple[str, list[subprocess.Popen]]:
@@ -168,7 +130,7 @@ def main() -> int:
                     print(f"{name:8s} c={c:<3d} TTFT p50 {r['ttft_p50_ms']:7.1f} ms  "
                           f"{r['output_tokens_per_s']:7.1f} tok/s", flush=True)
             finally:
-                stop(procs)
+                stop_group(procs)
     summary = []
     for c in args.concurrency:
         v = [r for r in runs["vllm"] if r["concurrency"] == c]

@@ -15,7 +15,6 @@ transfer per request, not one per layer-block.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import msgspec
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response

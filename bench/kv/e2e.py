@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,14 +23,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.procs import free_port, stop_group, wait_ready
+
 MODEL_NAME = "smollm2-135m-instruct"
 LENGTHS = [300, 520, 777, 1000, 1200, 1500, 1777, 1999, 2400, 3000]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric_sum(url: str, name: str) -> float:
@@ -52,29 +46,10 @@ class Server:
         self.health = health
 
     def wait(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.health, timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"not ready: {self.health}")
+        wait_ready(self.health, [self.proc], timeout)
 
     def stop(self) -> None:
-        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                return
-            try:
-                self.proc.wait(timeout=wait)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+        stop_group([self.proc])
 
 
 def env_for(core: int) -> dict[str, str]:

@@ -8,8 +8,6 @@ the last partial block), and blocks must come back on both sides after aborts an
 from __future__ import annotations
 
 import math
-import random
-import time
 
 import httpx
 import pytest
