@@ -9,6 +9,7 @@ never a hang. The server binds to the address it is given (loopback by default).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable
 
@@ -55,6 +56,10 @@ class SideChannelServer:
         return Reply("error", f"unexpected message {type(msg).__name__}")
 
     def _serve(self) -> None:
+        try:  # run on any core, not only the engine's (see worker._unpin_thread)
+            os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        except (AttributeError, OSError):
+            pass
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop.is_set():

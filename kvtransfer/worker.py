@@ -23,6 +23,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +66,19 @@ class Read:
 
 @dataclass
 class Peer:
+    """A holder engine this reader has shaken hands with. `agent_name` is set by the engine
+    thread once the NIXL agent is added (NIXL calls stay on that thread)."""
+
     metadata: EngineMetadata
-    agent_name: str
     client: SideChannelClient
+    lock: threading.Lock = field(default_factory=threading.Lock)  # REQ sockets are not thread-safe
+    agent_name: str | None = None
+
+
+@dataclass
+class Preparing:
+    spec: LoadSpec
+    future: Future
 
 
 @dataclass
@@ -103,12 +114,20 @@ class PdWorker:
         self._to_free: set[str] = set()
         self._finished_seen: set[str] = set()
         self._peers: dict[str, Peer] = {}
+        self._peers_lock = threading.Lock()
+        # Side-channel round trips (handshake, acquire, release) run here, so an engine step
+        # never waits on the network or on a slow holder.
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-kv-io",
+                                      initializer=_unpin_thread)
+        self._preparing: dict[str, Preparing] = {}
         self._reads: dict[str, Read] = {}
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         # Counted by the side-channel thread under the lock, folded into stats per step.
         self._released_blocks = 0
         self._expiries = 0
+        self._releases_sent = 0
+        self._stale_agents: list[str | None] = []  # removed from NIXL on the engine thread
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -137,9 +156,10 @@ class PdWorker:
                  self.server.endpoint)
 
     def shutdown(self) -> None:
+        self._io.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.close()
-        for peer in self._peers.values():
+        for peer in list(self._peers.values()):
             peer.client.close()
 
     # -- holder side ------------------------------------------------------------------
@@ -185,67 +205,93 @@ class PdWorker:
                 self._expire(rid)
 
     # -- reader side ------------------------------------------------------------------
-    def _peer(self, remote: TransferParams) -> Peer:
-        peer = self._peers.get(remote.engine_id)
+    # Runs on an io thread: handshake (cached per engine), compatibility, acquire.
+    def _prepare(self, spec: LoadSpec) -> Peer:
+        if self.cfg.fault_pause_s:
+            time.sleep(self.cfg.fault_pause_s)  # test-only: hold a transfer at this point
+        remote = spec.remote
+        peer = self._handshake(remote)
+        try:
+            check_compatible(self.metadata, peer.metadata)
+        except HandshakeError as exc:
+            self._release_now(remote)  # nobody can read these blocks: free them at once
+            raise TransferFailed(str(exc)) from exc
+        deadline = time.monotonic() + self.cfg.handshake_timeout_s
+        while True:
+            try:
+                with peer.lock:
+                    reply = peer.client.call(Acquire(remote.request_id, self.cfg.engine_id))
+            except HandshakeError as exc:  # holder unreachable: maybe restarted; handshake again next time
+                self._forget_peer(remote.engine_id)
+                raise TransferFailed(str(exc)) from exc
+            if reply.status == "ok":
+                return peer
+            if reply.status == "pending" and time.monotonic() < deadline:
+                time.sleep(ACQUIRE_PENDING_RETRY_S)
+                continue
+            raise TransferFailed(f"holder {remote.engine_id} answered {reply.status}: {reply.message}")
+
+    def _handshake(self, remote: TransferParams) -> Peer:
+        with self._peers_lock:
+            peer = self._peers.get(remote.engine_id)
         if peer is not None:
             return peer
         client = SideChannelClient(remote.side_channel, self.cfg.handshake_timeout_s)
-        reply = client.call(Hello(PROTOCOL_VERSION, self.cfg.engine_id))
-        if reply.status != "ok" or reply.metadata is None:
+        try:
+            reply = client.call(Hello(PROTOCOL_VERSION, self.cfg.engine_id))
+        except HandshakeError as exc:
             client.close()
-            raise HandshakeError(f"handshake with {remote.side_channel} refused: {reply.message}")
+            raise TransferFailed(str(exc)) from exc
         md = reply.metadata
+        if reply.status != "ok" or md is None:
+            client.close()
+            raise TransferFailed(f"handshake with {remote.side_channel} refused: {reply.message}")
         if md.engine_id != remote.engine_id:
             client.close()
-            raise HandshakeError(f"{remote.side_channel} is engine {md.engine_id}, not {remote.engine_id} (restarted)")
-        assert self.metadata is not None
-        try:
-            check_compatible(self.metadata, md)
-        except HandshakeError:
-            client.close()
-            raise
-        name = self.agent.add_remote_agent(md.agent_metadata)
-        name = name.decode() if isinstance(name, bytes) else name
-        peer = Peer(md, name, client)
-        self._peers[remote.engine_id] = peer
+            raise TransferFailed(f"{remote.side_channel} is engine {md.engine_id}, not {remote.engine_id} (restarted)")
+        peer = Peer(md, client)
+        with self._peers_lock:
+            peer = self._peers.setdefault(remote.engine_id, peer)
         log.info("kvtransfer: handshake with engine %s at %s (compat %s)", md.engine_id, remote.side_channel,
                  md.compat_hash())
         return peer
 
-    def _drop_peer(self, engine_id: str) -> None:
-        peer = self._peers.pop(engine_id, None)
+    def _forget_peer(self, engine_id: str) -> None:
+        with self._peers_lock:
+            peer = self._peers.pop(engine_id, None)
         if peer is not None:
             peer.client.close()
-            try:
-                self.agent.remove_remote_agent(peer.agent_name)
-            except Exception:  # the agent may already be gone with its process
-                pass
+            self._stale_agents.append(peer.agent_name)
 
-    def _acquire(self, peer: Peer, spec: LoadSpec) -> None:
-        deadline = time.monotonic() + self.cfg.handshake_timeout_s
-        while True:
-            reply = peer.client.call(Acquire(spec.remote.request_id, self.cfg.engine_id))
-            if reply.status == "ok":
-                return
-            if reply.status == "pending" and time.monotonic() < deadline:
-                time.sleep(ACQUIRE_PENDING_RETRY_S)
-                continue
-            raise TransferFailed(f"holder {spec.remote.engine_id} answered {reply.status}: {reply.message}")
-
-    def _start_read(self, spec: LoadSpec) -> None:
-        assert self.layout is not None
-        if self.cfg.fault_pause_s:
-            time.sleep(self.cfg.fault_pause_s)
+    def _release_now(self, remote: TransferParams) -> None:
+        """Tell the holder to free a request's blocks (io thread; errors only logged: the
+        holder frees by lease anyway, nothing is stranded)."""
         try:
-            peer = self._peer(spec.remote)
+            with self._peers_lock:
+                peer = self._peers.get(remote.engine_id)
+            if peer is not None:
+                with peer.lock:
+                    peer.client.call(Release(remote.request_id, self.cfg.engine_id))
+            else:
+                client = SideChannelClient(remote.side_channel, self.cfg.handshake_timeout_s)
+                try:
+                    client.call(Release(remote.request_id, self.cfg.engine_id))
+                finally:
+                    client.close()
+            self._releases_sent += 1
         except HandshakeError as exc:
-            self._drop_peer(spec.remote.engine_id)
-            raise TransferFailed(str(exc)) from exc
-        try:
-            self._acquire(peer, spec)
-        except HandshakeError as exc:  # holder unreachable: maybe restarted; handshake again next time
-            self._drop_peer(spec.remote.engine_id)
-            raise TransferFailed(str(exc)) from exc
+            log.warning("kvtransfer: release of %s at %s failed: %s", remote.request_id, remote.engine_id, exc)
+            self._forget_peer(remote.engine_id)
+
+    def _release_remote(self, remote: TransferParams) -> None:
+        self._io.submit(self._release_now, remote)
+
+    # Runs on the engine thread: NIXL calls only.
+    def _post_read(self, spec: LoadSpec, peer: Peer) -> None:
+        assert self.layout is not None
+        if peer.agent_name is None:
+            name = self.agent.add_remote_agent(peer.metadata.agent_metadata)
+            peer.agent_name = name.decode() if isinstance(name, bytes) else name
         t0 = time.monotonic()
         local, remote = merge_descriptors(peer.metadata.layout, self.layout, spec.remote_block_ids,
                                           spec.local_block_ids)
@@ -271,18 +317,20 @@ class PdWorker:
                                             t0 + self.cfg.read_timeout_s,
                                             time.monotonic() if state == "DONE" else None)
 
-    def _release_remote(self, remote: TransferParams) -> None:
-        try:
-            peer = self._peers.get(remote.engine_id)
-            client = peer.client if peer else SideChannelClient(remote.side_channel, self.cfg.handshake_timeout_s)
-            client.call(Release(remote.request_id, self.cfg.engine_id))
-            self.stats.data["releases_sent"] += 1
-            if peer is None:
-                client.close()
-        except HandshakeError as exc:
-            # The holder will free by lease; nothing is stranded.
-            log.warning("kvtransfer: release of %s at %s failed: %s", remote.request_id, remote.engine_id, exc)
-            self._drop_peer(remote.engine_id)
+    def _start_prepared(self) -> None:
+        for rid, prep in list(self._preparing.items()):
+            if not prep.future.done():
+                continue
+            del self._preparing[rid]
+            try:
+                peer = prep.future.result()
+                self._post_read(prep.spec, peer)
+            except TransferFailed as exc:
+                self._fail(prep.spec, str(exc))
+            except Exception as exc:  # never let a transfer problem take the engine down
+                log.exception("kvtransfer: unexpected error starting the read of %s", rid)
+                self._fail(prep.spec, f"{type(exc).__name__}: {exc}")
+                self._release_remote(prep.spec.remote)
 
     def _fail(self, spec: LoadSpec, why: str) -> None:
         self.stats.data["failures"] += 1
@@ -326,19 +374,21 @@ class PdWorker:
         for remote in meta.releases:
             self._release_remote(remote)
         for spec in meta.loads:
-            try:
-                self._start_read(spec)
-            except TransferFailed as exc:
-                self._fail(spec, str(exc))
-            except Exception as exc:  # never let a transfer problem take the engine down
-                log.exception("kvtransfer: unexpected error starting the read of %s", spec.request_id)
-                self._fail(spec, f"{type(exc).__name__}: {exc}")
-                self._release_remote(spec.remote)
+            self._preparing[spec.request_id] = Preparing(spec, self._io.submit(self._prepare, spec))
+        self._start_prepared()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         self._finished_seen |= finished_req_ids
         if self.agent is not None:
             self.agent.get_new_notifs()  # progress the holder side: the progress thread is off
+            for name in self._stale_agents:
+                if name is not None:
+                    try:
+                        self.agent.remove_remote_agent(name)
+                    except Exception:  # the agent may already be gone with its process
+                        pass
+            self._stale_agents.clear()
+            self._start_prepared()
             self._poll_reads()
         self._sweep_leases()
         with self._lock:
@@ -350,7 +400,8 @@ class PdWorker:
             self.stats.data["held_blocks"] = sum(h.blocks for h in self._holds.values())
             self.stats.data["blocks_released"] += self._released_blocks
             self.stats.data["lease_expiries"] += self._expiries
-            self._released_blocks = self._expiries = 0
+            self.stats.data["releases_sent"] += self._releases_sent
+            self._released_blocks = self._expiries = self._releases_sent = 0
         recving, failed = self._done_recving, self._failed_recving
         self._done_recving, self._failed_recving = set(), set()
         return sending, recving, failed
@@ -360,6 +411,15 @@ class PdWorker:
             return None
         out, self.stats = self.stats, PdKVStats()
         return out
+
+
+def _unpin_thread() -> None:
+    """Let this helper thread run on any core: the engine process may be pinned to one core
+    that its spinning OpenMP threads keep busy, which would starve the side channel."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):
+        pass
 
 
 def default_engine_id() -> str:
