@@ -23,12 +23,31 @@ log = logging.getLogger("vllm.pdserve.kvtransfer.side_channel")
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
+_ctx: zmq.Context | None = None
+_ctx_lock = threading.Lock()
+
+
+def context() -> zmq.Context:
+    """kvtransfer's own ZMQ context, its I/O thread allowed on every core.
+
+    The engine process is pinned to its core(s), and a context made there would run its
+    I/O thread there too, behind spinning OpenMP threads: side-channel answers then took
+    seconds on a shared core (measured: 5 s timeouts with two engines on one core).
+    """
+    global _ctx
+    with _ctx_lock:
+        if _ctx is None:
+            ctx = zmq.Context()
+            for cpu in range(os.cpu_count() or 1):
+                ctx.set(zmq.THREAD_AFFINITY_CPU_ADD, cpu)
+            _ctx = ctx
+        return _ctx
 
 
 class SideChannelServer:
     def __init__(self, endpoint: str, metadata: Callable[[], EngineMetadata],
                  on_acquire: Callable[[Acquire], Reply], on_release: Callable[[Release], Reply]) -> None:
-        self.ctx = zmq.Context.instance()
+        self.ctx = context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
@@ -88,7 +107,7 @@ class SideChannelClient:
     def __init__(self, endpoint: str, timeout_s: float) -> None:
         self.endpoint = endpoint
         self.timeout_ms = int(timeout_s * 1000)
-        self.ctx = zmq.Context.instance()
+        self.ctx = context()
         self.sock: zmq.Socket | None = None
 
     def _socket(self) -> zmq.Socket:

@@ -187,7 +187,9 @@ class Generation:
                     if remaining <= 0:
                         raise asyncio.TimeoutError()
                     try:
-                        line = await asyncio.wait_for(anext(lines), min(remaining, self.read_timeout_s))
+                        # asyncio.timeout, not wait_for: no task per token on the hot path.
+                        async with asyncio.timeout(min(remaining, self.read_timeout_s)):
+                            line = await anext(lines)
                     except StopAsyncIteration:
                         raise WorkerError(f"worker {worker.url} closed the stream before finishing") from None
                     if not line:
