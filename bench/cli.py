@@ -21,6 +21,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kv.add_argument("--transports", nargs="+", default=["shm", "tcp"], choices=["shm", "tcp", "rdma"],
                     help="UCX profiles for the micro benchmark (default: shm tcp)")
     kv.add_argument("--repeats", type=int, default=1, help="--e2e: passes over the prompt set (default: 1)")
+    kv.add_argument("--impls", nargs="+", default=["pdserve", "nixl"], choices=["pdserve", "nixl"],
+                    help="--e2e: connectors to run (default: pdserve nixl)")
+    kv.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
+                    help="--e2e: KV dtypes to run (default: bf16 fp8)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
         if args.e2e:
             from bench.kv.e2e import run as run_e2e
 
-            run_e2e(args.out, args.repeats)
+            run_e2e(args.out, args.repeats, tuple(args.impls), tuple(args.kinds))
         else:
             from bench.kv.micro import run as run_micro
 

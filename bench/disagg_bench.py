@@ -31,7 +31,8 @@ from bench.client import percentile, stream_chat
 from bench.procs import free_port, stop_group, wait_ready
 
 MODEL = "smollm2-135m-instruct"
-SESSIONS, TURNS, PREFIX_TOKENS, ANSWER_TOKENS = 8, 4, 1000, 24
+# SESSIONS is odd so that round-robin over 2 prefill workers does not line up with sessions.
+SESSIONS, TURNS, PREFIX_TOKENS, ANSWER_TOKENS = 7, 4, 1000, 24
 SHORT_STREAMS, SHORT_OUTPUT, LONG_TOKENS, LONG_EVERY_S, MIXED_SECONDS = 4, 160, 2000, 2.0, 40
 
 

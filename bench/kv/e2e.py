@@ -130,7 +130,8 @@ def prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
     return ids[:n]
 
 
-def run(out_dir: str, repeats: int = 1) -> dict:
+def run(out_dir: str, repeats: int = 1, impls: tuple[str, ...] = ("pdserve", "nixl"),
+        kinds: tuple[str, ...] = ("bf16", "fp8")) -> dict:
     from serve.frontend.tokenizer import Tokenizer
     from serve.model import resolve_model
 
@@ -141,9 +142,13 @@ def run(out_dir: str, repeats: int = 1) -> dict:
     results: dict = {"lengths": LENGTHS, "runs": {}}
     with open(out / "bench_kv_e2e.log", "wb") as log:
         for kind, kv in (("bf16", []), ("fp8", ["--kv-cache-dtype", "fp8"])):
+            if kind not in kinds:
+                continue
             for impl, start, request, bytes_metric in (
                     ("pdserve", pdserve_pair, pdserve_request, "pdserve_kv_bytes_transferred_total"),
                     ("nixl", nixl_pair, nixl_request, "vllm:nixl_bytes_transferred_sum")):
+                if impl not in impls:
+                    continue
                 p, d, purl, durl = start(model, kv, log)
                 try:
                     for w in range(2):  # warm-up (handshake happens here)
@@ -170,12 +175,13 @@ def run(out_dir: str, repeats: int = 1) -> dict:
                     p.stop()
                     d.stop()
     r = results["runs"]
-    summary = {
-        "kv_wait_ratio_bf16": r["pdserve-bf16"]["decode_ttft_p50_ms"] / r["nixl-bf16"]["decode_ttft_p50_ms"],
-        "kv_wait_ratio_fp8": r["pdserve-fp8"]["decode_ttft_p50_ms"] / r["nixl-fp8"]["decode_ttft_p50_ms"],
-        "fp8_over_bf16_transfer_time": r["pdserve-fp8"]["transfer_seconds"] / r["pdserve-bf16"]["transfer_seconds"],
-        "fp8_over_bf16_bytes": r["pdserve-fp8"]["bytes_moved"] / r["pdserve-bf16"]["bytes_moved"],
-    }
+    summary: dict[str, float] = {}
+    for kind in kinds:
+        if f"pdserve-{kind}" in r and f"nixl-{kind}" in r:
+            summary[f"kv_wait_ratio_{kind}"] = r[f"pdserve-{kind}"]["decode_ttft_p50_ms"] / r[f"nixl-{kind}"]["decode_ttft_p50_ms"]
+    if "pdserve-fp8" in r and "pdserve-bf16" in r:
+        summary["fp8_over_bf16_transfer_time"] = r["pdserve-fp8"]["transfer_seconds"] / r["pdserve-bf16"]["transfer_seconds"]
+        summary["fp8_over_bf16_bytes"] = r["pdserve-fp8"]["bytes_moved"] / r["pdserve-bf16"]["bytes_moved"]
     # Raw NIXL READ at the connector's descriptor size: one descriptor per layer per request,
     # (blocks x per-layer block bytes) long; the median request here reads ~8 blocks x 96 KiB.
     from bench.kv.micro import raw_read_gbps
@@ -184,7 +190,9 @@ def run(out_dir: str, repeats: int = 1) -> dict:
     raw = raw_read_gbps(desc, 128)
     summary["raw_nixl_read_gbps_at_descriptor"] = raw
     summary["descriptor_bytes"] = desc
-    summary["connector_over_raw_read"] = r["pdserve-bf16"]["achieved_gbps"] / raw
+    first = next((r[f"pdserve-{k}"] for k in kinds if f"pdserve-{k}" in r), None)
+    if first is not None:
+        summary["connector_over_raw_read"] = first["achieved_gbps"] / raw
     results["summary"] = summary
     (out / "bench_kv_e2e.json").write_text(json.dumps(results, indent=2))
     for k, v in summary.items():
