@@ -284,7 +284,7 @@ class Worker:
             if not finished and self.engine is not None:
                 # The client went away (or the stream was cancelled): free the engine's blocks now.
                 with contextlib.suppress(Exception):
-                    await self.engine.abort(req.request_id)
+                    await asyncio.wait_for(self.engine.abort(req.request_id), HEALTH_TIMEOUT_S)
             self.active -= 1
             self.metrics.active.labels(role).set(self.active)
             self.metrics.requests.labels(role, outcome).inc()
@@ -297,7 +297,10 @@ class Worker:
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
             return JSONResponse({"error": f"invalid abort request: {exc}"}, status_code=400)
         if self.engine is not None:
-            await self.engine.abort(req.request_id)
+            try:
+                await asyncio.wait_for(self.engine.abort(req.request_id), HEALTH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                return JSONResponse({"error": "engine did not acknowledge the abort in time"}, status_code=504)
         return JSONResponse({"aborted": req.request_id})
 
     async def reset_prefix_cache(self) -> Response:
