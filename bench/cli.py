@@ -7,7 +7,7 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    b = sub.add_parser("bench", help="benchmarks: KV transfer paths (kv)")
+    b = sub.add_parser("bench", help="load generator (profile, sweep, compare, fake-server); KV transfer benchmarks (kv)")
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
     kv = bsub.add_parser(
         "kv", help="KV transfer paths: NIXL READ/WRITE vs memcpy; --e2e: pdserve connector vs vLLM NixlConnector",
@@ -23,11 +23,71 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kv.add_argument("--repeats", type=int, default=1, help="--e2e: passes over the prompt set (default: 1)")
     kv.add_argument("--impls", nargs="+", default=["pdserve", "nixl"], choices=["pdserve", "nixl"],
                     help="--e2e: connectors to run (default: pdserve nixl)")
+    _add_profile_parsers(bsub)
     kv.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                     help="--e2e: KV dtypes to run (default: bf16 fp8)")
 
 
+def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
+    from bench.profile import fake_server
+    from bench.profile.config import add_profile_arguments
+
+    prof = bsub.add_parser(
+        "profile", help="load-test an OpenAI-compatible endpoint (AIPerf-compatible flags and artifacts)",
+        description="Send synthetic or trace requests to an OpenAI-compatible endpoint and measure TTFT, ITL (TPOT), "
+                    "latency and throughput. Flags follow `aiperf profile`; artifacts follow AIPerf's layout "
+                    "(profile_export.jsonl, profile_export_aiperf.json/.csv) plus PNG plots.")
+    add_profile_arguments(prof)
+    prof.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    cmp_ = bsub.add_parser("compare", help="two profile runs side by side (ours or AIPerf's)")
+    cmp_.add_argument("a", help="artifact dir or profile_export_aiperf.json")
+    cmp_.add_argument("b", help="artifact dir or profile_export_aiperf.json")
+    sw = bsub.add_parser("sweep", help="profile at several concurrencies; Pareto table + PNG of tokens/s/GPU vs /user")
+    add_profile_arguments(sw)
+    sw.add_argument("--concurrencies", type=int, nargs="+", required=True, metavar="C",
+                    help="concurrencies to run, e.g. 1 2 4 8")
+    sw.add_argument("--gpus", type=int, default=1, help="GPUs (or engines) serving, for tokens/s/GPU (default: 1)")
+    sw.add_argument("--requests-per-concurrency", type=int, default=None,
+                    help="requests per run = C x this (default: --num-requests, else 10 x C)")
+    fake_server.add_parser(bsub)
+
+
+def _profile_commands(args: argparse.Namespace) -> int:
+    import shlex
+    import sys
+
+    from bench.profile.errors import ProfileError
+
+    try:
+        if args.bench_command == "fake-server":
+            from bench.profile import fake_server
+
+            return fake_server.run(args)
+        if args.bench_command == "compare":
+            from bench.profile.compare import run as run_compare
+
+            return run_compare(args.a, args.b)
+        from bench.profile.config import config_from_args
+
+        cfg = config_from_args(args, "pdserve " + shlex.join(sys.argv[1:]))
+        if args.bench_command == "sweep":
+            from bench.profile.sweep import run as run_sweep
+
+            return run_sweep(cfg, args.concurrencies, args.gpus, args.requests_per_concurrency)
+        from bench.profile.export import write_artifacts
+        from bench.profile.profile import run as run_profile
+
+        result = run_profile(cfg)
+        write_artifacts(result, plots=not args.no_plots)
+        return 130 if result.was_cancelled else 0
+    except ProfileError as e:
+        print(f"pdserve bench {args.bench_command}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.bench_command in ("profile", "compare", "sweep", "fake-server"):
+        return _profile_commands(args)
     if args.bench_command == "kv":
         if args.e2e:
             from bench.kv.e2e import run as run_e2e
@@ -38,4 +98,4 @@ def run(args: argparse.Namespace) -> int:
 
             run_micro(args.out, args.total_mib, args.transports)
         return 0
-    raise SystemExit("usage: pdserve bench kv [--e2e]")
+    raise SystemExit("usage: pdserve bench profile|sweep|compare|fake-server|kv ...")
