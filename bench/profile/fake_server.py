@@ -273,19 +273,28 @@ class _Conn(asyncio.Protocol):
         self._stream(chat, n, usage if include_usage else None)
 
     def _later(self, ms: float, fn: Callable[[], Any]) -> None:
+        """Run fn no sooner than `ms` from now (by time.monotonic: an event loop's cached
+        clock may fire a timer early, and a programmed delay must be a lower bound)."""
         if ms <= 0:
             fn()
             return
+        self._at(time.monotonic() + ms / 1000.0, fn)
+
+    def _at(self, due: float, fn: Callable[[], Any]) -> None:
         loop = asyncio.get_running_loop()
         handle: asyncio.TimerHandle
 
         def fire() -> None:
             if handle in self.timers:
                 self.timers.remove(handle)
-            if self.transport is not None:
+            if self.transport is None:
+                return
+            if time.monotonic() < due:
+                self._at(due, fn)
+            else:
                 fn()
 
-        handle = loop.call_later(ms / 1000.0, fire)
+        handle = loop.call_later(max(0.0, due - time.monotonic()), fire)
         self.timers.append(handle)
 
     def _stream(self, chat: bool, n: int, usage: dict | None) -> None:
@@ -296,8 +305,6 @@ class _Conn(asyncio.Protocol):
             body = (r.chat_role if chat else b"") + b"".join(r.token(chat, i) for i in range(n)) + r.finish(chat, usage)
             self._later(cfg.ttft_ms, lambda: (self._write(body), self._done()))
             return
-        loop = asyncio.get_running_loop()
-        start = loop.time()
 
         def emit(i: int) -> None:
             piece = r.token(chat, i)
@@ -308,11 +315,10 @@ class _Conn(asyncio.Protocol):
                 self._done()
                 return
             self._write(piece)
-            # Schedule against the stream's start so timer slack does not accumulate.
-            due = start + (cfg.ttft_ms + cfg.itl_ms * (i + 1)) / 1000.0
-            self._later(max(0.0, (due - loop.time()) * 1000.0) or 1e-6, lambda: emit(i + 1))
+            # Each gap is measured from the token actually sent, so none is shorter than ITL.
+            self._later(cfg.itl_ms, lambda: emit(i + 1))
 
-        self._later(cfg.ttft_ms or 1e-6, lambda: emit(0))
+        self._later(cfg.ttft_ms, lambda: emit(0))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import signal
 import time
@@ -72,6 +73,13 @@ def next_gap(pattern: str, rate: float, smoothness: float, rng: random.Random) -
     if pattern == "poisson":
         return rng.expovariate(rate)
     return rng.gammavariate(smoothness, 1.0 / (rate * smoothness))
+
+
+async def sleep_until(due: float) -> None:
+    """Sleep until time.perf_counter() >= due. Loop timers (uvloop's are in whole ms) may
+    fire early; a scheduled send must never go before its time."""
+    while (left := due - time.perf_counter()) > 0:
+        await asyncio.sleep(left)
 
 
 class Client:
@@ -152,11 +160,10 @@ class Client:
     async def _closed_loop(self, sessions: list[Session], users: int, phase: str, cycle: bool,
                            deadline: float | None) -> None:
         queue = deque(sessions)
-        loop = asyncio.get_running_loop()
 
         async def user() -> None:
             while queue and not self.stopping:
-                if deadline is not None and loop.time() >= deadline:
+                if deadline is not None and time.perf_counter() >= deadline:
                     return
                 s = queue.popleft()
                 if cycle:
@@ -167,7 +174,6 @@ class Client:
 
     async def _open_loop(self, sessions: list[Session], deadline: float | None, t0: float) -> None:
         p = self.plan
-        loop = asyncio.get_running_loop()
         sem = asyncio.Semaphore(p.concurrency) if p.concurrency else None
         rng = random.Random(f"{p.seed}:{p.worker}")
         rate = p.request_rate or 1.0
@@ -197,11 +203,12 @@ class Client:
                 break
             if p.num_requests is not None and self.sent >= p.num_requests:
                 break
-            delay = due - loop.time()
-            if delay > 0:
-                await asyncio.sleep(delay)
+            await sleep_until(due)
             if sem is not None:
                 await sem.acquire()
+                if self.stopping or (deadline is not None and time.perf_counter() >= deadline):
+                    sem.release()  # the slot freed too late: past the run's end
+                    break
             task = asyncio.ensure_future(one(sessions[i % len(sessions)]))
             started.add(task)
             self.tasks.add(task)
@@ -235,12 +242,8 @@ class Client:
 
     async def profile(self, t0_ns: int) -> None:
         p = self.plan
-        loop = asyncio.get_running_loop()
-        # loop.time() is monotonic like perf_counter; convert the shared start once.
-        t0 = loop.time() + max(0.0, (t0_ns - time.perf_counter_ns()) / 1e9)
-        delay = t0 - loop.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
+        t0 = t0_ns / 1e9  # perf_counter seconds, shared by all client processes
+        await sleep_until(t0)
         deadline = t0 + p.duration_s if p.duration_s else None
         self.done = self.errors = 0
         progress = asyncio.ensure_future(self._progress())
@@ -253,7 +256,8 @@ class Client:
                 await work
             else:
                 try:
-                    await asyncio.wait_for(asyncio.shield(work), timeout=max(0.0, deadline - loop.time()) + p.grace_s)
+                    await asyncio.wait_for(asyncio.shield(work),
+                                           timeout=max(0.0, deadline - time.perf_counter()) + p.grace_s)
                 except TimeoutError:
                     self.stop()
                     await asyncio.gather(work, return_exceptions=True)
@@ -299,6 +303,8 @@ async def _client(plan: ClientPlan, conn: Any) -> None:
         inbox.put_nowait(msg)
 
     loop.add_reader(conn.fileno(), readable)
+    # The loop may make the pipe non-blocking; a large records message must not fail with EAGAIN.
+    os.set_blocking(conn.fileno(), True)
     loop.add_signal_handler(signal.SIGINT, client.stop)
     loop.add_signal_handler(signal.SIGTERM, client.stop)
     try:
