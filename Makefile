@@ -12,7 +12,7 @@ STAMP  := $(VENV)/.pdserve-installed
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
 
-.PHONY: install run test test-fast model clean-venv
+.PHONY: install run test test-fast model clean-venv aiperf bench-loadgen
 
 install: $(STAMP)
 
@@ -45,3 +45,14 @@ test-fast: install
 
 clean-venv:
 	rm -rf $(VENV)
+
+# AIPerf in its own virtualenv, for `pdserve bench loadgen-vs-aiperf` (not needed otherwise).
+AIPERF_VENV ?= .venv-aiperf
+aiperf: $(AIPERF_VENV)/bin/aiperf
+
+$(AIPERF_VENV)/bin/aiperf:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
+
+bench-loadgen: model aiperf
+	$(VENV)/bin/pdserve bench loadgen-vs-aiperf --aiperf $(AIPERF_VENV)/bin/aiperf

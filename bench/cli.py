@@ -50,6 +50,19 @@ def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
     sw.add_argument("--requests-per-concurrency", type=int, default=None,
                     help="requests per run = C x this (default: --num-requests, else 10 x C)")
     fake_server.add_parser(bsub)
+    vs = bsub.add_parser("loadgen-vs-aiperf", help="our load generator vs AIPerf: CPU per request, max rate, agreement",
+                         description="Side by side on the fake server: CPU-seconds per request at one fixed rate, the "
+                                     "highest sustained rate of each, and TTFT/ITL p50 agreement. Needs AIPerf "
+                                     "(`make aiperf`). Writes <out>/bench_loadgen.json.")
+    vs.add_argument("--aiperf", default=".venv-aiperf/bin/aiperf", help="aiperf executable (default: .venv-aiperf/bin/aiperf)")
+    vs.add_argument("--out", default="artifacts/bench_loadgen", help="output folder (default: artifacts/bench_loadgen)")
+    vs.add_argument("--cpu-rate", type=float, default=100.0, help="request rate of the CPU comparison (default: 100)")
+    vs.add_argument("--cpu-requests", type=int, default=1500, help="requests of the CPU comparison (default: 1500)")
+    vs.add_argument("--rates", type=float, nargs="+", default=[1000, 2000, 3000, 4000, 6000, 8000, 10000],
+                    help="rates tried for pdserve, rising (default: 1000 2000 3000 4000 6000 8000 10000)")
+    vs.add_argument("--aiperf-rates", type=float, nargs="+", default=[300, 500, 700, 800, 900, 1000, 1400],
+                    help="rates tried for AIPerf, rising (default: 300 500 700 800 900 1000 1400)")
+    vs.add_argument("--seconds", type=float, default=6.0, help="length of each max-rate run (default: 6)")
 
 
 def _profile_commands(args: argparse.Namespace) -> int:
@@ -63,6 +76,11 @@ def _profile_commands(args: argparse.Namespace) -> int:
             from bench.profile import fake_server
 
             return fake_server.run(args)
+        if args.bench_command == "loadgen-vs-aiperf":
+            from bench.profile.vs_aiperf import run as run_vs
+
+            run_vs(args.aiperf, args.out, args.cpu_rate, args.cpu_requests, args.rates, args.aiperf_rates, args.seconds)
+            return 0
         if args.bench_command == "compare":
             from bench.profile.compare import run as run_compare
 
@@ -86,7 +104,7 @@ def _profile_commands(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.bench_command in ("profile", "compare", "sweep", "fake-server"):
+    if args.bench_command in ("profile", "compare", "sweep", "fake-server", "loadgen-vs-aiperf"):
         return _profile_commands(args)
     if args.bench_command == "kv":
         if args.e2e:
