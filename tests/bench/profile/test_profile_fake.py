@@ -211,3 +211,12 @@ def test_ctrl_c_writes_partial_results(slow_server, model_dir, tmp_path):
     assert doc["was_cancelled"] is True and doc["is_complete"] is False
     assert 0 < doc["request_count"]["avg"] < 400
     assert "run cancelled" in text
+
+
+def test_request_timeouts_are_errors_not_hangs(slow_server, model_dir, tmp_path):
+    t0 = time.monotonic()
+    result, m = profile(slow_server, model_dir, tmp_path, "--isl", "40", "--osl", "3", "--streaming",
+                        "--num-requests", "3", "--request-timeout-seconds", "0.1")
+    assert time.monotonic() - t0 < 30
+    assert m["error_request_count"]["avg"] == 3 and "request_count" in m and m["request_count"]["avg"] == 0
+    assert {(r.error.type if r.error else None) for r in result.records} == {"RequestTimeout"}
