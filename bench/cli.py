@@ -50,6 +50,9 @@ def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
     sw.add_argument("--requests-per-concurrency", type=int, default=None,
                     help="requests per run = C x this (default: --num-requests, else 10 x C)")
     fake_server.add_parser(bsub)
+    from bench.plan.cli import add_bench_parsers
+
+    add_bench_parsers(bsub)
     vs = bsub.add_parser("loadgen-vs-aiperf", help="our load generator vs AIPerf: CPU per request, max rate, agreement",
                          description="Side by side on the fake server: CPU-seconds per request at one fixed rate, the "
                                      "highest sustained rate of each, and TTFT/ITL p50 agreement. Needs AIPerf "
@@ -104,6 +107,10 @@ def _profile_commands(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench_command in ("calibrate", "compare-plan"):
+        from bench.plan.cli import run_bench
+
+        return run_bench(args)
     if args.bench_command in ("profile", "compare", "sweep", "fake-server", "loadgen-vs-aiperf"):
         return _profile_commands(args)
     if args.bench_command == "kv":

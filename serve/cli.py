@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--kv-lease-seconds", type=float, default=30.0,
                    help="disagg mode: prefill workers' KV lease (default: 30)")
     u.add_argument("--kv-cache-dtype", default=None, help="KV cache dtype for every worker, e.g. fp8 (default: model's)")
+    u.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="vLLM tensor parallelism of every worker (default: vLLM's, 1)")
+    u.add_argument("--max-num-seqs", type=int, default=None,
+                   help="vLLM max-num-seqs (batch) of every worker (default: vLLM's)")
+    u.add_argument("--prefill-max-num-seqs", type=int, default=None, help="disagg mode: max-num-seqs of prefill workers")
+    u.add_argument("--decode-max-num-seqs", type=int, default=None, help="disagg mode: max-num-seqs of decode workers")
     _add_router_args(u)
     u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
     u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
@@ -139,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.cli import add_parser as add_bench_parser
 
     add_bench_parser(sub)
+    from bench.plan.cli import add_parser as add_plan_parser
+
+    add_plan_parser(sub)
 
     m = sub.add_parser("model", help="prepare models")
     msub = m.add_subparsers(dest="model_command", metavar="ACTION")
@@ -243,11 +252,22 @@ def cmd_up(args: argparse.Namespace) -> int:
                      "--prefill-timeout", str(args.prefill_timeout)] + (["--no-kv-events"] if args.no_kv_events else [])
     worker_args = ["--kv-lease-seconds", str(args.kv_lease_seconds)] + (
         ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size), ("--max-num-seqs", args.max_num_seqs)):
+        if value is not None:
+            if value < 1:
+                raise PdserveError(f"{flag} must be >= 1")
+            worker_args += [flag, str(value)]
+    role_args: dict[str, list[str]] = {}
+    for role, value in (("prefill", args.prefill_max_num_seqs), ("decode", args.decode_max_num_seqs)):
+        if value is not None:
+            if value < 1:
+                raise PdserveError(f"--{role}-max-num-seqs must be >= 1")
+            role_args[role] = ["--max-num-seqs", str(value)]
     settings = UpSettings(
         host=args.host, port=args.port, advertise_host=args.advertise_host, roles=roles,
         worker_base_port=args.worker_base_port, model=args.model, served_model_name=args.served_model_name,
         kv_cache_gib=args.kv_cache_gib, ready_timeout_s=args.ready_timeout, log_level=args.log_level,
-        frontend_args=frontend_args, worker_args=worker_args,
+        frontend_args=frontend_args, worker_args=worker_args, role_args=role_args,
     )
     return Launcher(settings).run()
 
@@ -285,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_up(args)
         if args.command == "model":
             return cmd_model(args)
+        if args.command == "plan":
+            from bench.plan.cli import run_plan
+
+            return run_plan(args)
         if args.command == "bench":
             from bench.cli import run as run_bench
 

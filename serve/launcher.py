@@ -58,6 +58,7 @@ class UpSettings:
     log_level: str = "info"
     frontend_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
+    role_args: dict[str, list[str]] = field(default_factory=dict)  # extra worker flags per role
 
 
 @dataclass
@@ -127,7 +128,8 @@ class Launcher:
             worker_urls.append(url)
             args = ["worker", "--role", role, "--host", self.s.host, "--port", str(port),
                     "--cpu-cores", str(i % ncpu), "--kv-cache-gib", f"{kv_gib:g}",
-                    "--frontend", frontend_url, "--worker-id", f"{role}-{n}", *common, *self.s.worker_args]
+                    "--frontend", frontend_url, "--worker-id", f"{role}-{n}", *common, *self.s.worker_args,
+                    *self.s.role_args.get(role, [])]
             if self.s.advertise_host:
                 args += ["--advertise-host", self.s.advertise_host]
             child = self._spawn(f"worker {role}-{n} ({url})", args, f"{url}/health")

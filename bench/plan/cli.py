@@ -1,0 +1,81 @@
+"""`pdserve plan ...` (the guide's AIConfigurator call, in our words) and the two bench tools
+that tie plans to measurements: `bench calibrate` and `bench compare-plan`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from bench.plan.errors import PlanError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from bench.plan.specs import system_names
+
+    p = sub.add_parser(
+        "plan", help="compare aggregated and disaggregated layouts under TTFT/TPOT targets",
+        description="Predict every aggregated and disaggregated layout of a model on a system within a GPU budget "
+                    "(performance model in bench/plan/perf.py), keep those meeting the TTFT and TPOT targets, rank "
+                    "them by output tokens/s per GPU, and write plan.json, agg_best.csv, disagg_best.csv, "
+                    "pareto.csv/.png and launch.sh to --save-dir.")
+    p.add_argument("--model", "--hf-id", "--hf_id", dest="model", required=True,
+                   help="a known model name (with or without its organisation) or a Hugging Face config directory")
+    p.add_argument("--system", required=True, metavar="|".join(system_names()),
+                   help="GPU system, or cpu-local (this machine, after `pdserve bench calibrate`), or a profile .json")
+    p.add_argument("--total-gpus", "--total_gpus", dest="total_gpus", type=int, required=True, help="GPU budget")
+    p.add_argument("--isl", type=int, required=True, help="input tokens per request")
+    p.add_argument("--osl", type=int, required=True, help="output tokens per request")
+    p.add_argument("--ttft", type=float, required=True, help="TTFT target (ms)")
+    p.add_argument("--tpot", type=float, required=True, help="TPOT (inter-token latency) target (ms)")
+    p.add_argument("--backend", default="vllm", choices=["vllm"], help="serving backend modelled (default: vllm)")
+    p.add_argument("--backend-version", "--backend_version", dest="backend_version", default=None,
+                   help="accepted for AIConfigurator compatibility; the model is version-independent")
+    p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8", help="KV cache dtype (default: fp8)")
+    p.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16", help="weights and GEMMs (default: bf16)")
+    p.add_argument("--network", choices=["rdma", "tcp"], default="rdma", help="KV transfer network (default: rdma)")
+    p.add_argument("--save-dir", "--save_dir", dest="save_dir", default="artifacts/plan",
+                   help="where plan.json and the tables go (default: artifacts/plan)")
+
+
+def add_bench_parsers(bsub: argparse._SubParsersAction) -> None:
+    c = bsub.add_parser("calibrate", help="fit a system profile (cpu-local) to `bench profile` runs",
+                        description="Fit effective compute rate, memory bandwidth and step overhead so the planner's "
+                                    "aggregated prediction reproduces the runs' TTFT and ITL p50 (see bench/plan/calibrate.py).")
+    c.add_argument("artifact_dirs", nargs="+", help="artifact dirs of streaming `bench profile` runs (one engine)")
+    c.add_argument("--out", default=None, help="profile file (default: cpu-local.json in the pdserve cache)")
+    c.add_argument("--memory-gib", type=float, default=1.5,
+                   help="memory per engine for weights + KV cache (default: 1.5, `pdserve up`'s 1 GiB KV cache plus weights)")
+    cp = bsub.add_parser("compare-plan", help="measured TTFT, TPOT and throughput next to a plan's prediction")
+    cp.add_argument("plan", help="plan.json (or its --save-dir)")
+    cp.add_argument("artifact_dir", help="artifact dir of a `bench profile` run")
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from bench.plan.report import PlanInputs, plan, summary_text, write
+
+    try:
+        doc = plan(PlanInputs(model=args.model, system=args.system, total_gpus=args.total_gpus, isl=args.isl,
+                              osl=args.osl, ttft_ms=args.ttft, tpot_ms=args.tpot, backend=args.backend,
+                              kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, network=args.network))
+        write(doc, args.save_dir)
+    except PlanError as e:
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 2
+    print(summary_text(doc))
+    print(f"saved: {args.save_dir}/plan.json, agg_best.csv, disagg_best.csv, pareto.csv, pareto.png, launch.sh")
+    return 0 if doc["winner"] else 1
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from bench.plan.calibrate import calibrate, compare_plan
+    from bench.profile.errors import ProfileError
+
+    try:
+        if args.bench_command == "calibrate":
+            calibrate(args.artifact_dirs, args.out, args.memory_gib)
+        else:
+            compare_plan(args.plan, args.artifact_dir)
+    except (PlanError, ProfileError) as e:
+        print(f"pdserve bench {args.bench_command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

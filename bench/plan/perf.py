@@ -1,0 +1,192 @@
+"""The planner's performance model: step times of prefill and decode from the model's shape
+against a system's peak compute and memory bandwidth. Everything the planner predicts comes
+from the functions here; efficiency factors and their sources live in data/systems.json.
+
+Per GPU, with tensor parallelism `tp` splitting weights, KV heads and FLOPs evenly:
+
+  linear(T tokens)   = max(2 * P_lin * T / tp / (peak * e_gemm),   W / tp / (hbm * e_hbm))
+                       P_lin: parameters touched per token (all layers' projections and MLP,
+                       plus the LM head); W: weight bytes. A GEMM is bound by its FLOPs or by
+                       streaming its weights once, whichever is slower (roofline).
+  prefill_attn(S)    = 4 * L * H * d * S(S+1)/2 / tp / (peak_bf16 * e_prefill_attn)   (causal)
+  decode_attn(B, c)  = max(B * c * kv_bytes_per_token / tp / (hbm * e_decode_attn),
+                           4 * L * H * d * c * B / tp / (peak_bf16 * e_prefill_attn))
+  allreduce(T)       = tp > 1: 2 * L all-reduces of T * hidden * 2 bytes, each
+                       2 (tp - 1) / tp * bytes / (nvlink * e_nvlink) + 10 us
+  elementwise(T)     = T * L * 2 bytes * (10 hidden + 3 intermediate + 2 (H + KV heads) d)
+                       / tp / (hbm * e_hbm): RMSNorms, residual adds, SiLU*mul and RoPE read
+                       and write bf16 activations once each
+  step               = overhead + linear + attention + elementwise + allreduce  (no overlap)
+
+  kv_bytes_per_token = 2 (K and V) * L * KV heads * d * bytes(kv dtype)   (fp8: 1, bf16: 2)
+  KV transfer(S)     = S * kv_bytes_per_token / (network * e_network)
+
+Aggregated (in-flight batching, chunked prefill): B requests decode together; each also needs
+ISL prefill tokens, spread over its OSL steps, so an average step carries B decode tokens plus
+B * ISL / OSL prefill tokens: TPOT = step(B decode at context ISL + OSL/2, B*ISL/OSL prefill).
+A new request's prompt goes through in ceil(ISL / (budget - B)) chunked steps, after waiting
+half a step on average: TTFT = 0.5 * TPOT + chunks * step(B decode, chunk prefill).
+
+Disaggregated: a prefill worker runs `b` prompts per step (S_p = step of b * ISL tokens);
+requests queue in front of it (M/D/1: wait = rho * S_p / (2 (1 - rho))) and the highest
+utilisation rho <= 0.95 that keeps TTFT = wait + S_p + KV transfer + one decode step within
+target sets its capacity rho * b / S_p. A decode worker holds B requests for OSL - 1 steps:
+capacity B / ((OSL - 1) * TPOT). The system serves min(P * prefill capacity, D * decode
+capacity) requests/s.
+
+Throughput per GPU = requests/s * OSL / GPUs; per user = 1 / TPOT; request latency =
+TTFT + (OSL - 1) * TPOT; concurrency = requests/s * latency (Little's law).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from bench.plan.specs import ModelShape, SystemSpec
+
+DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
+ALLREDUCE_LATENCY_S = 10e-6
+ACTIVATION_RESERVE_GIB = 2.0
+MAX_PREFILL_UTILISATION = 0.95
+
+
+@dataclass(frozen=True)
+class Engine:
+    """One engine (a replica or a prefill/decode worker): model, system, TP, dtypes."""
+
+    model: ModelShape
+    system: SystemSpec
+    tp: int
+    kv_dtype: str = "fp8"
+    weight_dtype: str = "bf16"
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        return 2 * m.layers * m.kv_heads * m.head_dim * DTYPE_BYTES[self.kv_dtype]
+
+    @property
+    def weight_bytes(self) -> float:
+        return self.model.weight_params * DTYPE_BYTES[self.weight_dtype]
+
+    def _peak(self, dtype: str) -> float:
+        return self.system.peak_tflops[dtype if dtype in self.system.peak_tflops else "bf16"] * 1e12
+
+    def linear_s(self, tokens: float) -> float:
+        e = self.system.efficiency
+        flops = 2 * self.model.linear_params * tokens / self.tp
+        compute = flops / (self._peak(self.weight_dtype) * e["gemm"])
+        memory = self.weight_bytes / self.tp / (self.system.hbm_gbps * 1e9 * e["hbm"])
+        return max(compute, memory)
+
+    def elementwise_s(self, tokens: float) -> float:
+        m = self.model
+        elems = 10 * m.hidden + 3 * m.intermediate + 2 * (m.heads + m.kv_heads) * m.head_dim
+        return tokens * m.layers * 2 * elems / self.tp / (self.system.hbm_gbps * 1e9 * self.system.efficiency["hbm"])
+
+    def _attn_flops_per_token_ctx(self) -> float:
+        m = self.model
+        return 4 * m.layers * m.heads * m.head_dim
+
+    def prefill_attention_s(self, isl: float, prompts: float = 1.0) -> float:
+        e = self.system.efficiency
+        flops = self._attn_flops_per_token_ctx() * isl * (isl + 1) / 2 * prompts / self.tp
+        return flops / (self._peak("bf16") * e["prefill_attention"])
+
+    def decode_attention_s(self, batch: float, ctx: float) -> float:
+        e = self.system.efficiency
+        memory = batch * ctx * self.kv_bytes_per_token / self.tp / (self.system.hbm_gbps * 1e9 * e["decode_attention"])
+        compute = self._attn_flops_per_token_ctx() * ctx * batch / self.tp / (self._peak("bf16") * e["prefill_attention"])
+        return max(memory, compute)
+
+    def allreduce_s(self, tokens: float) -> float:
+        if self.tp == 1:
+            return 0.0
+        size = tokens * self.model.hidden * 2
+        per = 2 * (self.tp - 1) / self.tp * size / (self.system.nvlink_gbps * 1e9 * self.system.efficiency["nvlink"])
+        return 2 * self.model.layers * (per + ALLREDUCE_LATENCY_S)
+
+    def step_s(self, decode_batch: float, ctx: float, prefill_tokens: float = 0.0, prefill_isl: float = 0.0) -> float:
+        """One engine step: `decode_batch` sequences at context `ctx` plus `prefill_tokens`
+        tokens of prompts of length `prefill_isl` (their share of those prompts' attention)."""
+        t = self.system.step_overhead_ms / 1000.0
+        t += self.linear_s(decode_batch + prefill_tokens)
+        t += self.decode_attention_s(decode_batch, ctx) if decode_batch else 0.0
+        if prefill_tokens and prefill_isl:
+            t += self.prefill_attention_s(prefill_isl, prefill_tokens / prefill_isl)
+        t += self.elementwise_s(decode_batch + prefill_tokens)
+        t += self.allreduce_s(decode_batch + prefill_tokens)
+        return t
+
+    def prefill_s(self, isl: float, prompts: int = 1) -> float:
+        return self.step_s(0, 0, isl * prompts, isl)
+
+    def max_tokens_in_kv(self) -> float:
+        s = self.system
+        free = s.memory_gib * s.kv_memory_fraction - self.weight_bytes / self.tp / 2**30 - ACTIVATION_RESERVE_GIB
+        return max(0.0, free * 2**30 / (self.kv_bytes_per_token / self.tp))
+
+    def max_batch(self, isl: int, osl: int) -> int:
+        return int(self.max_tokens_in_kv() // (isl + osl))
+
+    def kv_transfer_s(self, isl: float, network: str) -> float:
+        bw = self.system.network_gbps[network] * 1e9 * self.system.efficiency["network"]
+        return isl * self.kv_bytes_per_token / bw
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ttft_ms: float
+    tpot_ms: float
+    request_latency_ms: float
+    requests_per_s: float
+    tokens_per_s: float
+    tokens_per_s_per_gpu: float
+    tokens_per_s_per_user: float
+    concurrency: float
+    gpus: int
+
+
+def _finish(ttft_s: float, tpot_s: float, rps: float, osl: int, gpus: int) -> Prediction:
+    latency = ttft_s + (osl - 1) * tpot_s
+    tps = rps * osl
+    return Prediction(ttft_s * 1e3, tpot_s * 1e3, latency * 1e3, rps, tps, tps / gpus, 1.0 / tpot_s,
+                      rps * latency, gpus)
+
+
+def predict_agg(e: Engine, batch: int, replicas: int, isl: int, osl: int) -> Prediction:
+    """Aggregated: `replicas` engines of `e.tp` GPUs, `batch` requests in flight each."""
+    ctx = isl + osl / 2
+    tpot = e.step_s(batch, ctx, batch * isl / osl, isl)
+    budget = max(e.system.max_num_batched_tokens - batch, 1)
+    chunks = math.ceil(isl / budget)
+    chunk = isl / chunks
+    ttft = 0.5 * tpot + chunks * e.step_s(batch, ctx, chunk, isl)
+    latency = ttft + (osl - 1) * tpot
+    rps = replicas * batch / latency
+    return _finish(ttft, tpot, rps, osl, replicas * e.tp)
+
+
+def prefill_capacity(e: Engine, prompts: int, isl: int, ttft_budget_s: float) -> tuple[float, float]:
+    """(requests/s one prefill worker sustains within the TTFT budget, its TTFT there).
+    `ttft_budget_s` is what is left for queueing + prefill after transfer and decode."""
+    s = e.prefill_s(isl, prompts)
+    if s > ttft_budget_s:
+        return 0.0, s
+    # M/D/1 wait rho*s/(2(1-rho)) + s <= budget  ->  rho <= 2(b - s) / (2(b - s) + s)
+    slack = ttft_budget_s - s
+    rho = min(MAX_PREFILL_UTILISATION, 2 * slack / (2 * slack + s))
+    wait = rho * s / (2 * (1 - rho))
+    return rho * prompts / s, wait + s
+
+
+def predict_disagg(pe: Engine, de: Engine, prefill_workers: int, decode_workers: int, prefill_batch: int,
+                   decode_batch: int, isl: int, osl: int, ttft_target_ms: float, network: str) -> Prediction:
+    tpot = de.step_s(decode_batch, isl + osl / 2)
+    transfer = pe.kv_transfer_s(isl, network)
+    cap_p, ttft_p = prefill_capacity(pe, prefill_batch, isl, ttft_target_ms / 1000.0 - transfer - tpot)
+    cap_d = decode_batch / (max(osl - 1, 1) * tpot)
+    rps = min(prefill_workers * cap_p, decode_workers * cap_d)
+    ttft = ttft_p + transfer + tpot
+    return _finish(ttft, tpot, rps, osl, prefill_workers * pe.tp + decode_workers * de.tp)

@@ -1,0 +1,136 @@
+"""Search: every aggregated and disaggregated layout within the GPU budget, predicted with
+perf.py, filtered by the TTFT and TPOT targets, ranked by output tokens/s per GPU.
+
+Aggregated: TP in {1, 2, 4, 8} (within one node), replicas = GPUs // TP, batch from 1 up
+to what the KV cache holds. Disaggregated: prefill TP and prompts per step, decode TP and
+batch, and every split of the budget into P prefill and D decode workers. Ties go to the
+layout with more tokens/s per user, then fewer GPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from bench.plan.perf import Engine, Prediction, predict_agg, predict_disagg
+from bench.plan.specs import ModelShape, SystemSpec
+
+TPS = (1, 2, 4, 8)
+PREFILL_BATCHES = (1, 2, 4, 8)
+
+
+def batch_candidates(limit: int) -> list[int]:
+    out = list(range(1, 8)) + list(range(8, 64, 4)) + list(range(64, 256, 8)) + list(range(256, 2049, 32))
+    return [b for b in out if b <= limit]
+
+
+@dataclass(frozen=True)
+class Layout:
+    mode: str  # "agg" | "disagg"
+    pred: Prediction
+    tp: int = 1
+    replicas: int = 0
+    batch: int = 0
+    prefill_tp: int = 0
+    prefill_workers: int = 0
+    prefill_batch: int = 0
+    decode_tp: int = 0
+    decode_workers: int = 0
+    decode_batch: int = 0
+    meets: bool = True
+
+    @property
+    def name(self) -> str:
+        if self.mode == "agg":
+            return f"agg {self.replicas}x tp{self.tp} batch {self.batch}"
+        return (f"disagg {self.prefill_workers}P(tp{self.prefill_tp}, {self.prefill_batch}/step) + "
+                f"{self.decode_workers}D(tp{self.decode_tp}, batch {self.decode_batch})")
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("mode", "tp", "replicas", "batch", "prefill_tp", "prefill_workers",
+                                            "prefill_batch", "decode_tp", "decode_workers", "decode_batch", "meets")}
+        d["layout"] = self.name
+        d.update({k: getattr(self.pred, k) for k in Prediction.__dataclass_fields__})
+        return d
+
+
+@dataclass(frozen=True)
+class Targets:
+    ttft_ms: float
+    tpot_ms: float
+
+
+def _meets(p: Prediction, t: Targets) -> bool:
+    return p.ttft_ms <= t.ttft_ms and p.tpot_ms <= t.tpot_ms and p.requests_per_s > 0
+
+
+def _tps(total: int, system: SystemSpec) -> list[int]:
+    return [tp for tp in TPS if tp <= total and tp <= system.gpus_per_node]
+
+
+def agg_layouts(model: ModelShape, system: SystemSpec, total: int, isl: int, osl: int, t: Targets,
+                kv_dtype: str, weight_dtype: str) -> Iterator[Layout]:
+    for tp in _tps(total, system):
+        e = Engine(model, system, tp, kv_dtype, weight_dtype)
+        replicas = total // tp
+        for b in batch_candidates(e.max_batch(isl, osl)):
+            p = predict_agg(e, b, replicas, isl, osl)
+            yield Layout("agg", p, tp=tp, replicas=replicas, batch=b, meets=_meets(p, t))
+
+
+def disagg_layouts(model: ModelShape, system: SystemSpec, total: int, isl: int, osl: int, t: Targets,
+                   kv_dtype: str, weight_dtype: str, network: str) -> Iterator[Layout]:
+    if total < 2:
+        return
+    tps = _tps(total - 1, system)
+    engines = {tp: Engine(model, system, tp, kv_dtype, weight_dtype) for tp in tps}
+    for dtp in tps:
+        de = engines[dtp]
+        for db in batch_candidates(de.max_batch(isl, osl)):
+            for ptp in tps:
+                pe = engines[ptp]
+                for pb in PREFILL_BATCHES:
+                    if pb > 1 and pb * isl > system.max_num_batched_tokens:
+                        continue
+                    if pe.max_batch(isl, 1) < pb:
+                        continue
+                    unit = predict_disagg(pe, de, 1, 1, pb, db, isl, osl, t.ttft_ms, network)
+                    if unit.requests_per_s <= 0:
+                        continue
+                    # capacities of one worker of each role, from the 1P1D prediction
+                    cap_p = _capacity(pe, de, pb, db, isl, osl, t, network, "prefill")
+                    cap_d = _capacity(pe, de, pb, db, isl, osl, t, network, "decode")
+                    for P in range(1, (total - dtp) // ptp + 1):
+                        D_max = (total - P * ptp) // dtp
+                        if D_max < 1:
+                            break
+                        # the fewest decode workers that keep up with P prefill workers, or all
+                        need = max(1, min(D_max, -(-P * cap_p // cap_d) if cap_d else D_max))
+                        for D in {int(need), max(1, int(need) - 1)}:
+                            p = predict_disagg(pe, de, P, D, pb, db, isl, osl, t.ttft_ms, network)
+                            yield Layout("disagg", p, prefill_tp=ptp, prefill_workers=P, prefill_batch=pb,
+                                         decode_tp=dtp, decode_workers=D, decode_batch=db, meets=_meets(p, t))
+
+
+def _capacity(pe: Engine, de: Engine, pb: int, db: int, isl: int, osl: int, t: Targets, network: str,
+              role: str) -> float:
+    # One worker of `role` beside an unlimited number of the other role.
+    big = 10**6
+    if role == "prefill":
+        return predict_disagg(pe, de, 1, big, pb, db, isl, osl, t.ttft_ms, network).requests_per_s
+    return predict_disagg(pe, de, big, 1, pb, db, isl, osl, t.ttft_ms, network).requests_per_s
+
+
+def rank(layouts: list[Layout]) -> list[Layout]:
+    return sorted(layouts, key=lambda x: (-x.pred.tokens_per_s_per_gpu, -x.pred.tokens_per_s_per_user, x.pred.gpus))
+
+
+def pareto(layouts: list[Layout], t: Targets) -> list[Layout]:
+    """Layouts meeting the TTFT target that no other such layout beats on both tokens/s/GPU
+    and tokens/s/user (TPOT is the x axis, so it is not filtered)."""
+    pts = [x for x in layouts if x.pred.ttft_ms <= t.ttft_ms and x.pred.requests_per_s > 0]
+    front: list[Layout] = []
+    for x in sorted(pts, key=lambda x: (-x.pred.tokens_per_s_per_user, -x.pred.tokens_per_s_per_gpu)):
+        if not front or x.pred.tokens_per_s_per_gpu > front[-1].pred.tokens_per_s_per_gpu:
+            front.append(x)
+    return front

@@ -1,0 +1,152 @@
+"""Model shapes and system specs: the planner's two inputs, from the data files shipped in
+bench/plan/data (or a Hugging Face config directory, or a calibrated system profile)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.plan.errors import PlanError
+
+DATA = Path(__file__).parent / "data"
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    @property
+    def params_per_layer(self) -> int:
+        h, d = self.hidden, self.head_dim
+        attn = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
+        mlp = 3 * h * self.intermediate  # gate, up, down (SwiGLU)
+        return attn + mlp
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters multiplied per token: every layer's projections and MLP, and the LM head."""
+        return self.layers * self.params_per_layer + self.vocab * self.hidden
+
+    @property
+    def weight_params(self) -> int:
+        """All parameters held in memory (embeddings counted once when tied)."""
+        emb = self.vocab * self.hidden
+        return self.layers * self.params_per_layer + (emb if self.tied_embeddings else 2 * emb)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
+                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate": self.intermediate,
+                "vocab": self.vocab, "tied_embeddings": self.tied_embeddings}
+
+
+@dataclass(frozen=True)
+class SystemSpec:
+    name: str
+    peak_tflops: dict[str, float]
+    hbm_gbps: float
+    memory_gib: float
+    nvlink_gbps: float
+    network_gbps: dict[str, float]
+    efficiency: dict[str, float]
+    step_overhead_ms: float
+    kv_memory_fraction: float = 0.9
+    max_num_batched_tokens: int = 8192
+    gpus_per_node: int = 8
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "peak_tflops": self.peak_tflops, "hbm_gbps": self.hbm_gbps,
+                "memory_gib": self.memory_gib, "nvlink_gbps": self.nvlink_gbps, "network_gbps": self.network_gbps,
+                "efficiency": self.efficiency, "step_overhead_ms": self.step_overhead_ms,
+                "kv_memory_fraction": self.kv_memory_fraction, "max_num_batched_tokens": self.max_num_batched_tokens,
+                "gpus_per_node": self.gpus_per_node, "sources": self.sources}
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise PlanError(f"{path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise PlanError(f"{path}: invalid JSON: {e}") from None
+
+
+def known_models() -> dict[str, dict[str, Any]]:
+    return {k: v for k, v in _read(DATA / "models.json").items() if not k.startswith("_")}
+
+
+def _shape(name: str, c: dict[str, Any]) -> ModelShape:
+    return ModelShape(name=name, hidden=c["hidden"], layers=c["layers"], heads=c["heads"], kv_heads=c["kv_heads"],
+                      head_dim=c["head_dim"], intermediate=c["intermediate"], vocab=c["vocab"],
+                      tied_embeddings=bool(c.get("tied_embeddings", False)))
+
+
+def load_model(name: str) -> ModelShape:
+    """A known model by name (with or without its organisation), or a Hugging Face config
+    directory (or config.json) of a dense decoder-only model."""
+    p = Path(name).expanduser()
+    if p.exists():
+        cfg_file = p / "config.json" if p.is_dir() else p
+        c = _read(cfg_file)
+        try:
+            heads = c["num_attention_heads"]
+            return ModelShape(
+                name=p.resolve().name if p.is_dir() else p.parent.resolve().name, hidden=c["hidden_size"],
+                layers=c["num_hidden_layers"], heads=heads, kv_heads=c.get("num_key_value_heads", heads),
+                head_dim=c.get("head_dim") or c["hidden_size"] // heads, intermediate=c["intermediate_size"],
+                vocab=c["vocab_size"], tied_embeddings=bool(c.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise PlanError(f"{cfg_file}: missing {e.args[0]!r} (a dense decoder-only model's config is needed)") from None
+    models = known_models()
+    want = name.lower()
+    for full, c in models.items():
+        names = {full.lower(), full.split("/", 1)[-1].lower(), *[a.lower() for a in c.get("aliases", [])]}
+        if want in names:
+            return _shape(full, c)
+    raise PlanError(f"unknown model {name!r}: known: {', '.join(models)}; or pass a Hugging Face config directory")
+
+
+def system_names() -> list[str]:
+    return sorted(_read(DATA / "systems.json")["systems"]) + ["cpu-local"]
+
+
+def cpu_local_path() -> Path:
+    from serve.model import cache_root
+
+    return cache_root() / "plan" / "cpu-local.json"
+
+
+def load_system(name: str) -> SystemSpec:
+    """A system from data/systems.json, `cpu-local` (the calibrated profile of this machine,
+    written by `pdserve bench calibrate`), or a JSON file of the same layout."""
+    doc = _read(DATA / "systems.json")
+    defaults = doc["defaults"]
+    if name == "cpu-local" or name.endswith(".json"):
+        path = cpu_local_path() if name == "cpu-local" else Path(name)
+        if not path.is_file():
+            hint = " run `pdserve bench calibrate ARTIFACT_DIR...` first" if name == "cpu-local" else ""
+            raise PlanError(f"system profile {path} does not exist:{hint}")
+        s = _read(path)
+    elif name in doc["systems"]:
+        s = doc["systems"][name]
+    else:
+        raise PlanError(f"unknown system {name!r}: known: {', '.join(system_names())}")
+    eff = {**defaults["efficiency"], **s.get("efficiency", {})}
+    return SystemSpec(
+        name=s.get("name", name), peak_tflops=s["peak_tflops"], hbm_gbps=s["hbm_gbps"], memory_gib=s["memory_gib"],
+        nvlink_gbps=s.get("nvlink_gbps", 25), network_gbps=s.get("network_gbps", {"rdma": 25, "tcp": 3}),
+        efficiency=eff, step_overhead_ms=s.get("step_overhead_ms", defaults["step_overhead_ms"]),
+        kv_memory_fraction=s.get("kv_memory_fraction", defaults["kv_memory_fraction"]),
+        max_num_batched_tokens=s.get("max_num_batched_tokens", defaults["max_num_batched_tokens"]),
+        gpus_per_node=s.get("gpus_per_node", 8),
+        sources={**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})})

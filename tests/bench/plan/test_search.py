@@ -1,0 +1,92 @@
+"""SLA filtering, ranking, plan.json round trip, and the guide's case."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.plan.errors import PlanError
+from bench.plan.perf import Prediction
+from bench.plan.report import PLAN_SCHEMA, PlanInputs, plan, read_plan, write
+from bench.plan.search import Layout, Targets, _meets, pareto, rank
+
+GUIDE = PlanInputs("nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1", "h200_sxm", 4, 4000, 500, 600, 16.67)
+
+
+def pred(gpu: float, user: float, ttft: float = 100, tpot: float = 10, gpus: int = 1) -> Prediction:
+    return Prediction(ttft, tpot, ttft + 10 * tpot, 1.0, gpu * gpus, gpu, user, 1.0, gpus)
+
+
+def test_sla_filter():
+    t = Targets(ttft_ms=600, tpot_ms=16.67)
+    assert _meets(pred(1, 1, 600, 16.67), t)
+    assert not _meets(pred(1, 1, 601, 10), t)
+    assert not _meets(pred(1, 1, 100, 16.7), t)
+
+
+def test_rank_by_tokens_per_gpu_then_per_user():
+    a = Layout("agg", pred(100, 50))
+    b = Layout("agg", pred(200, 10))
+    c = Layout("agg", pred(100, 60))
+    assert rank([a, b, c]) == [b, c, a]
+
+
+def test_pareto_front():
+    pts = [Layout("agg", pred(100, 10)), Layout("agg", pred(80, 20)), Layout("agg", pred(70, 15)),
+           Layout("agg", pred(50, 40)), Layout("agg", pred(90, 5, ttft=900))]
+    front = pareto(pts, Targets(600, 100))
+    assert [(x.pred.tokens_per_s_per_gpu, x.pred.tokens_per_s_per_user) for x in front] == [(50, 40), (80, 20), (100, 10)]
+
+
+def test_guide_case_aggregated_wins_with_tp1_replicas(tmp_path):
+    doc = plan(GUIDE)
+    a, d = doc["agg_best"], doc["disagg_best"]
+    assert doc["winner"] == "agg"
+    assert (a["tp"], a["replicas"]) == (1, 4)
+    assert d is not None and doc["disagg_over_agg"] < 1
+    assert a["ttft_ms"] <= 600 and a["tpot_ms"] <= 16.67 and d["ttft_ms"] <= 600 and d["tpot_ms"] <= 16.67
+    assert "--workers 4" in doc["launch"]["up"] and "--tensor-parallel-size 1" in doc["launch"]["up"]
+    c = round(a["concurrency"])
+    assert f"--concurrency {c} " in doc["load_test"] and f"--num-requests {40 * c} " in doc["load_test"]
+    assert "ignore_eos:true" in doc["load_test"]
+
+
+def test_plan_files_round_trip(tmp_path):
+    doc = plan(GUIDE)
+    write(doc, tmp_path)
+    back = read_plan(tmp_path)
+    assert back == json.loads(json.dumps(doc))
+    assert back["schema"] == PLAN_SCHEMA
+    rows = (tmp_path / "agg_best.csv").read_text().splitlines()
+    assert "tokens_per_s_per_gpu" in rows[0].split(",")
+    assert float(rows[1].split(",")[2]) == pytest.approx(doc["agg_best"]["tokens_per_s_per_gpu"], rel=1e-6)
+    assert (tmp_path / "disagg_best.csv").read_text().startswith("rank,layout,tokens_per_s_per_gpu")
+    assert (tmp_path / "pareto.png").stat().st_size > 1000
+    assert "pdserve up --mode agg" in (tmp_path / "launch.sh").read_text()
+    (tmp_path / "bad.json").write_text('{"schema": "other/9"}')
+    with pytest.raises(PlanError, match="not a pdserve.plan/1 plan"):
+        read_plan(tmp_path / "bad.json")
+
+
+def test_tighter_targets_filter_more():
+    loose = plan(GUIDE)
+    tight = plan(PlanInputs(GUIDE.model, GUIDE.system, 4, 4000, 500, 600, 8.0))
+    assert tight["agg_best"]["tpot_ms"] <= 8.0
+    assert tight["agg_best"]["tokens_per_s_per_gpu"] < loose["agg_best"]["tokens_per_s_per_gpu"]
+    none = plan(PlanInputs(GUIDE.model, GUIDE.system, 4, 4000, 500, 1.0, 16.67))
+    assert none["winner"] is None and none["agg_best"] is None
+
+
+def test_rdma_beats_tcp_for_disaggregation():
+    rdma = plan(PlanInputs("Llama-3.1-70B-Instruct", "h100_sxm", 16, 8000, 200, 2000, 50, network="rdma"))
+    tcp = plan(PlanInputs("Llama-3.1-70B-Instruct", "h100_sxm", 16, 8000, 200, 2000, 50, network="tcp"))
+    assert rdma["disagg_best"]["tokens_per_s_per_gpu"] > tcp["disagg_best"]["tokens_per_s_per_gpu"]
+
+
+def test_bad_inputs_are_plan_errors():
+    for bad in (PlanInputs(GUIDE.model, GUIDE.system, 0, 1, 1, 1, 1),
+                PlanInputs(GUIDE.model, GUIDE.system, 4, 1, 1, 0, 1),
+                PlanInputs(GUIDE.model, "nope", 4, 1, 1, 1, 1)):
+        with pytest.raises(PlanError):
+            plan(bad)
