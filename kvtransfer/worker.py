@@ -4,8 +4,12 @@ the lease table; runs in vLLM's worker process.
 Prefill engine (holder): blocks of a finished remote-decode request are held until the
 decode side releases them, or until the lease (`lease_seconds`) runs out unread; either
 way they are reported in `finished_sending` and vLLM frees them. While a reader holds an
-acquire, the lease is pinned for at most `read_timeout_s`, so a reader that dies mid-read
-cannot strand blocks.
+acquire, the lease is pinned for `read_timeout_s` + 5 s, longer than the reader waits
+for its READ (the reader's deadline counts from before the acquire, and a READ seen done
+past it is discarded), so a READ the reader accepts never raced a free, and a reader that
+dies mid-read cannot strand blocks. Between an acquire and its release a small thread keeps
+calling into NIXL: with the progress thread off, a READ over a software transport completes
+only while the holder makes progress, and an idle holder engine takes no steps.
 
 Decode engine (reader): for each planned load, handshake with the holder (cached per
 engine, redone when it restarts), acquire the request's blocks, and post one NIXL READ
@@ -42,6 +46,9 @@ from kvtransfer.stats import PdKVStats
 log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
 
 ACQUIRE_PENDING_RETRY_S = 0.02
+SLOW_PREPARE_S = 1.0
+HOLDER_PROGRESS_S = 0.001  # holder-side NIXL progress interval while a read is in flight
+READ_PIN_MARGIN_S = 5.0
 SPIN_S = 0.05  # longest a READ is progressed inline before it is left to the per-step poll
 FREED_MEMORY = 4096  # ids remembered after freeing, to answer "gone" rather than "pending"
 
@@ -79,6 +86,7 @@ class Peer:
 class Preparing:
     spec: LoadSpec
     future: Future
+    created: float = 0.0  # before the acquire was sent: the read's deadline counts from here
 
 
 @dataclass
@@ -125,24 +133,36 @@ class PdWorker:
         self._failed_recving: set[str] = set()
         # Counted by the side-channel thread under the lock, folded into stats per step.
         self._released_blocks = 0
+        # Holder-side progress while a reader is reading: with NIXL's progress thread off, a
+        # READ on a software transport completes only while the holder calls into NIXL, and an
+        # idle engine takes no steps. This thread progresses only between an acquire and the
+        # matching release/expiry, so it costs nothing when no read is in flight.
+        self._wake = threading.Event()
+        self._stopping = False
+        self._progress_thread: threading.Thread | None = None
         self._expiries = 0
         self._releases_sent = 0
         self._stale_agents: list[str | None] = []  # removed from NIXL on the engine thread
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.layout = layout_from_tensors(kv_caches, self.num_blocks, self.cfg.block_size)
         applied = transport.apply(self.cfg.transport)
         name = f"pdserve-{self.cfg.engine_id}-{uuid.uuid4().hex[:6]}"
-        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[]))
+        # STRICT: the holder-progress thread calls into the agent beside the engine thread.
+        self.agent = nixl_agent(name, nixl_agent_config(enable_prog_thread=False, backends=[],
+                                                        sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         mode = "none" if self.cfg.transport == "shm" else "peer"
         self.agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
         spans = self.layout.spans()
         self.agent.register_memory([(a, n, self.layout.device_id, "") for a, n in spans], self.layout.device)
         self.server = SideChannelServer(self.cfg.bind_endpoint, lambda: self.metadata,
                                         self._on_acquire, self._on_release)
+        self._progress_thread = threading.Thread(target=self._progress_holds, name="pdserve-kv-holder-progress",
+                                                 daemon=True)
+        self._progress_thread.start()
         self.metadata = EngineMetadata(
             protocol_version=PROTOCOL_VERSION, engine_id=self.cfg.engine_id, model=self.cfg.model,
             dtype=self.cfg.dtype, kv_cache_dtype=self.cfg.kv_cache_dtype, block_size=self.cfg.block_size,
@@ -156,6 +176,10 @@ class PdWorker:
                  self.server.endpoint)
 
     def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._progress_thread is not None:
+            self._progress_thread.join(timeout=2)
         self._io.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.close()
@@ -180,8 +204,11 @@ class PdWorker:
                 self._expire(msg.request_id)
                 return Reply("gone", "lease expired")
             hold.reading = True
-            hold.expiry = now + self.cfg.read_timeout_s
-            return Reply("ok")
+            # Pinned for longer than the reader waits (its deadline counts from before this
+            # acquire), so a READ the reader accepts never raced a free.
+            hold.expiry = now + self.cfg.read_timeout_s + READ_PIN_MARGIN_S
+        self._wake.set()
+        return Reply("ok")
 
     def _on_release(self, msg: Release) -> Reply:
         with self._lock:
@@ -190,6 +217,23 @@ class PdWorker:
                 self._to_free.add(msg.request_id)
                 self._released_blocks += hold.blocks
         return Reply("ok")
+
+    def _progress_holds(self) -> None:
+        _unpin_thread()  # never compete with the engine thread for its core
+        while not self._stopping:
+            with self._lock:
+                reading = any(h.reading for h in self._holds.values())
+            if not reading:
+                self._wake.wait(timeout=1.0)
+                self._wake.clear()
+                continue
+            try:
+                self.agent.get_new_notifs()
+            except Exception:  # the agent is going away with the engine
+                if self._stopping:
+                    return
+                log.exception("kvtransfer: holder progress failed")
+            time.sleep(HOLDER_PROGRESS_S)
 
     def _expire(self, rid: str) -> None:
         """Caller holds the lock."""
@@ -206,11 +250,13 @@ class PdWorker:
 
     # -- reader side ------------------------------------------------------------------
     # Runs on an io thread: handshake (cached per engine), compatibility, acquire.
-    def _prepare(self, spec: LoadSpec) -> Peer:
+    def _prepare(self, spec: LoadSpec, queued_at: float) -> Peer:
+        began = time.monotonic()
         if self.cfg.fault_pause_s:
             time.sleep(self.cfg.fault_pause_s)  # test-only: hold a transfer at this point
         remote = spec.remote
         peer = self._handshake(remote)
+        shook = time.monotonic()
         try:
             check_compatible(self.metadata, peer.metadata)
         except HandshakeError as exc:
@@ -224,6 +270,12 @@ class PdWorker:
             except HandshakeError as exc:  # holder unreachable: maybe restarted; handshake again next time
                 self._forget_peer(remote.engine_id)
                 raise TransferFailed(str(exc)) from exc
+            if reply.status != "pending" or time.monotonic() >= deadline:
+                took = time.monotonic() - began
+                if took > SLOW_PREPARE_S:
+                    log.warning("kvtransfer: acquire of %s took %.2f s (handshake %.2f s, answer %s, "
+                                "queued %.2f s before it started)", remote.request_id, took, shook - began,
+                                reply.status, began - queued_at)
             if reply.status == "ok":
                 return peer
             if reply.status == "pending" and time.monotonic() < deadline:
@@ -287,7 +339,7 @@ class PdWorker:
         self._io.submit(self._release_now, remote)
 
     # Runs on the engine thread: NIXL calls only.
-    def _post_read(self, spec: LoadSpec, peer: Peer) -> None:
+    def _post_read(self, spec: LoadSpec, peer: Peer, acquired_by: float | None = None) -> None:
         assert self.layout is not None
         if peer.agent_name is None:
             name = self.agent.add_remote_agent(peer.metadata.agent_metadata)
@@ -314,7 +366,7 @@ class PdWorker:
             raise TransferFailed(f"NIXL READ from {spec.remote.engine_id} failed to start")
         # Timed from the descriptor build: the READ may complete inside transfer() itself.
         self._reads[spec.request_id] = Read(spec, handle, spec.remote.engine_id, sum(n for _, n in local), t0,
-                                            t0 + self.cfg.read_timeout_s,
+                                            (acquired_by or t0) + self.cfg.read_timeout_s,
                                             time.monotonic() if state == "DONE" else None)
 
     def _start_prepared(self) -> None:
@@ -324,7 +376,7 @@ class PdWorker:
             del self._preparing[rid]
             try:
                 peer = prep.future.result()
-                self._post_read(prep.spec, peer)
+                self._post_read(prep.spec, peer, prep.created)
             except TransferFailed as exc:
                 self._fail(prep.spec, str(exc))
             except Exception as exc:  # never let a transfer problem take the engine down
@@ -348,6 +400,8 @@ class PdWorker:
             done_at = time.monotonic()
             del self._reads[rid]
             self.agent.release_xfer_handle(rd.handle)
+            if state == "DONE" and (rd.finished_at or done_at) > rd.deadline:
+                state = "LATE"  # past the deadline the holder may have freed the blocks: never use
             if state == "DONE":
                 secs = (rd.finished_at or done_at) - rd.started
                 d = self.stats.data
@@ -360,7 +414,8 @@ class PdWorker:
                 log.info("kvtransfer: read %s: %d blocks, %d bytes in %.2f ms (%.2f GB/s)", rid,
                          len(rd.spec.local_block_ids), rd.nbytes, secs * 1e3, rd.nbytes / max(secs, 1e-9) / 1e9)
             else:
-                self._fail(rd.spec, "READ error" if state == "ERR" else "READ timed out")
+                self._fail(rd.spec, {"ERR": "READ error", "LATE": "READ completed past its deadline"}.get(
+                    state, "READ timed out"))
             self._release_remote(rd.spec.remote)
 
     # -- per step -----------------------------------------------------------------------
@@ -374,7 +429,8 @@ class PdWorker:
         for remote in meta.releases:
             self._release_remote(remote)
         for spec in meta.loads:
-            self._preparing[spec.request_id] = Preparing(spec, self._io.submit(self._prepare, spec))
+            now = time.monotonic()
+            self._preparing[spec.request_id] = Preparing(spec, self._io.submit(self._prepare, spec, now), now)
         self._start_prepared()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:

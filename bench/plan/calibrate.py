@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.plan.errors import PlanError
 from bench.plan.perf import Engine, predict_agg
-from bench.plan.specs import SystemSpec, cpu_local_path, load_model, load_system
+from bench.plan.specs import SystemSpec, cpu_local_path, load_model
 
 ONES = {"gemm": 1.0, "prefill_attention": 1.0, "hbm": 1.0, "decode_attention": 1.0, "nvlink": 1.0, "network": 1.0}
 
@@ -52,11 +50,12 @@ def _measured(path: Path) -> dict[str, Any]:
         raise PlanError(f"{path}: the run has no {e.args[0]} (no successful streaming requests?)") from None
 
 
-def _system(F: float, BW: float, O: float, memory_gib: float, cores: int) -> SystemSpec:
+def _system(F: float, BW: float, O: float, memory_gib: float) -> SystemSpec:
     return SystemSpec(name="cpu-local", peak_tflops={"bf16": F / 1e12, "fp8": F / 1e12}, hbm_gbps=BW / 1e9,
                       memory_gib=memory_gib, nvlink_gbps=1.0, network_gbps={"rdma": 5.0, "tcp": 1.0},
                       efficiency=dict(ONES), step_overhead_ms=O * 1e3, kv_memory_fraction=1.0,
-                      max_num_batched_tokens=8192, gpus_per_node=cores)
+                      max_num_batched_tokens=8192, gpus_per_node=1,
+                      activation_reserve_gib=0.0)  # no TP across CPU engines
 
 
 def _predict(s: SystemSpec, run: dict[str, Any], model) -> tuple[float, float]:
@@ -73,7 +72,7 @@ def _loss(s: SystemSpec, runs: list[dict[str, Any]], model) -> float:
     return err
 
 
-def fit(runs: list[dict[str, Any]], memory_gib: float, cores: int) -> tuple[SystemSpec, float]:
+def fit(runs: list[dict[str, Any]], memory_gib: float) -> tuple[SystemSpec, float]:
     """Coarse-to-fine search over log F, log BW (and O when there are 2+ runs)."""
     model = load_model(runs[0]["model"])
     fit_o = len(runs) >= 2
@@ -87,7 +86,7 @@ def fit(runs: list[dict[str, Any]], memory_gib: float, cores: int) -> tuple[Syst
         for f in steps["F"]:
             for bw in steps["BW"]:
                 for o in os_:
-                    s = _system(math.exp(f), math.exp(bw), o, memory_gib, cores)
+                    s = _system(math.exp(f), math.exp(bw), o, memory_gib)
                     loss = _loss(s, runs, model)
                     if loss < best[0]:
                         best = (loss, f, bw, o)
@@ -96,7 +95,7 @@ def fit(runs: list[dict[str, Any]], memory_gib: float, cores: int) -> tuple[Syst
         lo = {"F": f - span["F"], "BW": bw - span["BW"], "O": max(0.0, o - span["O"])}
         hi = {"F": f + span["F"], "BW": bw + span["BW"], "O": o + span["O"] if fit_o else 0.0}
     loss, f, bw, o = best
-    return _system(math.exp(f), math.exp(bw), o, memory_gib, cores), loss
+    return _system(math.exp(f), math.exp(bw), o, memory_gib), loss
 
 
 def calibrate(paths: list[str], out: str | None, memory_gib: float) -> dict[str, Any]:
@@ -106,7 +105,7 @@ def calibrate(paths: list[str], out: str | None, memory_gib: float) -> dict[str,
     models = {r["model"] for r in runs}
     if len(models) > 1:
         raise PlanError(f"runs of different models: {sorted(models)}")
-    system, loss = fit(runs, memory_gib, os.cpu_count() or 1)
+    system, loss = fit(runs, memory_gib)
     model = load_model(runs[0]["model"])
     doc = system.to_dict()
     doc["calibration"] = {"runs": runs, "loss": loss, "model": model.name, "fitted": ["F", "BW"] + (["O"] if len(runs) > 1 else []),
@@ -135,14 +134,9 @@ def compare_plan(plan_path: str, artifact: str) -> dict[str, Any]:
         raise PlanError(f"{plan_path}: the plan has no winning layout")
     pred = dict(best)
     if win == "agg" and round(run["concurrency"]) != round(best["concurrency"]):
-        s = doc["system"]
-        system = load_system(doc["inputs"]["system"]) if s["name"] != "cpu-local" else replace(
-            _system(s["peak_tflops"]["bf16"] * 1e12, s["hbm_gbps"] * 1e9, s["step_overhead_ms"] / 1e3, s["memory_gib"],
-                    s.get("gpus_per_node", 1)))
-        m = doc["model"]
-        model = ModelShape(**m)
-        e = Engine(model, system, best["tp"], doc["inputs"]["kv_dtype"] if s["name"] != "cpu-local" else "bf16",
-                   doc["inputs"]["weight_dtype"])
+        system = SystemSpec(**doc["system"])  # the plan is self-contained: no re-read of profiles
+        model = ModelShape(**doc["model"])
+        e = Engine(model, system, best["tp"], doc.get("kv_dtype", doc["inputs"]["kv_dtype"]), doc["inputs"]["weight_dtype"])
         per = max(1, round(run["concurrency"] / best["replicas"]))
         p = predict_agg(e, per, best["replicas"], round(run["isl"]), max(2, round(run["osl"])))
         pred.update({k: getattr(p, k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "tokens_per_s_per_gpu", "concurrency")})

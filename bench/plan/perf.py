@@ -47,7 +47,6 @@ from bench.plan.specs import ModelShape, SystemSpec
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
 ALLREDUCE_LATENCY_S = 10e-6
-ACTIVATION_RESERVE_GIB = 2.0
 MAX_PREFILL_UTILISATION = 0.95
 
 
@@ -124,7 +123,7 @@ class Engine:
 
     def max_tokens_in_kv(self) -> float:
         s = self.system
-        free = s.memory_gib * s.kv_memory_fraction - self.weight_bytes / self.tp / 2**30 - ACTIVATION_RESERVE_GIB
+        free = s.memory_gib * s.kv_memory_fraction - self.weight_bytes / self.tp / 2**30 - s.activation_reserve_gib
         return max(0.0, free * 2**30 / (self.kv_bytes_per_token / self.tp))
 
     def max_batch(self, isl: int, osl: int) -> int:

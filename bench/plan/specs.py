@@ -62,6 +62,7 @@ class SystemSpec:
     kv_memory_fraction: float = 0.9
     max_num_batched_tokens: int = 8192
     gpus_per_node: int = 8
+    activation_reserve_gib: float = 2.0  # per engine, besides weights and KV cache
     sources: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -69,7 +70,8 @@ class SystemSpec:
                 "memory_gib": self.memory_gib, "nvlink_gbps": self.nvlink_gbps, "network_gbps": self.network_gbps,
                 "efficiency": self.efficiency, "step_overhead_ms": self.step_overhead_ms,
                 "kv_memory_fraction": self.kv_memory_fraction, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "gpus_per_node": self.gpus_per_node, "sources": self.sources}
+                "gpus_per_node": self.gpus_per_node, "activation_reserve_gib": self.activation_reserve_gib,
+                "sources": self.sources}
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -148,5 +150,5 @@ def load_system(name: str) -> SystemSpec:
         efficiency=eff, step_overhead_ms=s.get("step_overhead_ms", defaults["step_overhead_ms"]),
         kv_memory_fraction=s.get("kv_memory_fraction", defaults["kv_memory_fraction"]),
         max_num_batched_tokens=s.get("max_num_batched_tokens", defaults["max_num_batched_tokens"]),
-        gpus_per_node=s.get("gpus_per_node", 8),
+        gpus_per_node=s.get("gpus_per_node", 8), activation_reserve_gib=s.get("activation_reserve_gib", 2.0),
         sources={**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})})
