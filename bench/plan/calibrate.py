@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.plan.errors import PlanError
-from bench.plan.perf import Engine, predict_agg
+from bench.plan.perf import Engine, predict_agg, predict_agg_waves
 from bench.plan.specs import SystemSpec, cpu_local_path, load_model
 
 ONES = {"gemm": 1.0, "prefill_attention": 1.0, "hbm": 1.0, "decode_attention": 1.0, "nvlink": 1.0, "network": 1.0}
@@ -42,7 +42,10 @@ def _measured(path: Path) -> dict[str, Any]:
     if not ic["endpoint"].get("streaming"):
         raise PlanError(f"{path}: the run was not streaming: TTFT and ITL are needed")
     try:
-        return {"path": str(path), "model": model, "isl": doc["input_sequence_length"]["avg"],
+        osl_cfg = prompts.get("osl") or {}
+        fixed = (phase.get("type") == "concurrency" and not prompts["isl"].get("stddev")
+                 and not osl_cfg.get("stddev") and bool(ic["endpoint"].get("extra", {}).get("ignore_eos")))
+        return {"path": str(path), "model": model, "isl": doc["input_sequence_length"]["avg"], "waves": fixed,
                 "osl": doc["output_sequence_length"]["avg"], "concurrency": phase.get("concurrency") or 1,
                 "ttft_ms": doc["time_to_first_token"]["p50"], "tpot_ms": doc["inter_token_latency"]["p50"],
                 "tokens_per_s": doc["output_token_throughput"]["avg"], "isl_requested": prompts["isl"]["mean"]}
@@ -60,7 +63,8 @@ def _system(F: float, BW: float, O: float, memory_gib: float) -> SystemSpec:
 
 def _predict(s: SystemSpec, run: dict[str, Any], model) -> tuple[float, float]:
     e = Engine(model, s, 1, kv_dtype="bf16", weight_dtype="bf16")
-    p = predict_agg(e, int(run["concurrency"]), 1, round(run["isl"]), max(2, round(run["osl"])))
+    fn = predict_agg_waves if run.get("waves") else predict_agg
+    p = fn(e, int(run["concurrency"]), 1, round(run["isl"]), max(2, round(run["osl"])))
     return p.ttft_ms, p.tpot_ms
 
 
@@ -133,18 +137,20 @@ def compare_plan(plan_path: str, artifact: str) -> dict[str, Any]:
     if not best:
         raise PlanError(f"{plan_path}: the plan has no winning layout")
     pred = dict(best)
-    if win == "agg" and round(run["concurrency"]) != round(best["concurrency"]):
+    if win == "agg" and (run["waves"] or round(run["concurrency"]) != round(best["concurrency"])):
         system = SystemSpec(**doc["system"])  # the plan is self-contained: no re-read of profiles
         model = ModelShape(**doc["model"])
         e = Engine(model, system, best["tp"], doc.get("kv_dtype", doc["inputs"]["kv_dtype"]), doc["inputs"]["weight_dtype"])
         per = max(1, round(run["concurrency"] / best["replicas"]))
-        p = predict_agg(e, per, best["replicas"], round(run["isl"]), max(2, round(run["osl"])))
+        fn = predict_agg_waves if run["waves"] else predict_agg
+        p = fn(e, per, best["replicas"], round(run["isl"]), max(2, round(run["osl"])))
         pred.update({k: getattr(p, k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "tokens_per_s_per_gpu", "concurrency")})
     gpus = best["gpus"]
     rows = [("TTFT p50 (ms)", pred["ttft_ms"], run["ttft_ms"]), ("TPOT/ITL p50 (ms)", pred["tpot_ms"], run["tpot_ms"]),
             ("output tokens/s", pred["tokens_per_s"], run["tokens_per_s"]),
             ("output tokens/s/GPU", pred["tokens_per_s_per_gpu"], run["tokens_per_s"] / gpus)]
-    print(f"plan {plan_path} ({best['layout']}, predicted at concurrency {pred['concurrency']:.0f}) "
+    how = "closed loop of fixed-length requests: synchronized" if run["waves"] else "steady state"
+    print(f"plan {plan_path} ({best['layout']}, predicted at concurrency {pred['concurrency']:.0f}, {how}) "
           f"vs run {artifact} (concurrency {run['concurrency']})")
     print(f"{'metric':22s} {'predicted':>12s} {'measured':>12s} {'measured/predicted':>19s}")
     out = []

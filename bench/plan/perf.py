@@ -27,6 +27,13 @@ B * ISL / OSL prefill tokens: TPOT = step(B decode at context ISL + OSL/2, B*ISL
 A new request's prompt goes through in ceil(ISL / (budget - B)) chunked steps, after waiting
 half a step on average: TTFT = 0.5 * TPOT + chunks * step(B decode, chunk prefill).
 
+Aggregated, synchronized (`predict_agg_waves`): a closed-loop benchmark whose requests all
+have the same ISL and OSL (the guide's load test: fixed lengths, ignore_eos) keeps its B
+requests in step: they finish together and the next B prompts are prefilled together, in
+ceil(B * ISL / budget) steps, before B decode together: TTFT = those prefill steps,
+TPOT = step(B decode at ISL + OSL/2). It is how such a check measures, not how open traffic
+behaves, so the planner ranks with the steady-state model and the checks use this one.
+
 Disaggregated: a prefill worker runs `b` prompts per step (S_p = step of b * ISL tokens);
 requests queue in front of it (M/D/1: wait = rho * S_p / (2 (1 - rho))) and the highest
 utilisation rho <= 0.95 that keeps TTFT = wait + S_p + KV transfer + one decode step within
@@ -165,6 +172,17 @@ def predict_agg(e: Engine, batch: int, replicas: int, isl: int, osl: int) -> Pre
     latency = ttft + (osl - 1) * tpot
     rps = replicas * batch / latency
     return _finish(ttft, tpot, rps, osl, replicas * e.tp)
+
+
+def predict_agg_waves(e: Engine, batch: int, replicas: int, isl: int, osl: int) -> Prediction:
+    """Aggregated under a closed loop of fixed-length requests (see the module docstring)."""
+    budget = e.system.max_num_batched_tokens
+    total = batch * isl
+    chunks = math.ceil(total / budget)
+    ttft = chunks * e.step_s(0, 0, total / chunks, isl)
+    tpot = e.step_s(batch, isl + osl / 2)
+    latency = ttft + (osl - 1) * tpot
+    return _finish(ttft, tpot, replicas * batch / latency, osl, replicas * e.tp)
 
 
 def prefill_capacity(e: Engine, prompts: int, isl: int, ttft_budget_s: float) -> tuple[float, float]:

@@ -79,3 +79,13 @@ def test_known_models_by_name_with_or_without_org(tmp_path):
         load_model("no-such-model")
     with pytest.raises(PlanError, match="unknown system"):
         load_system("tpu_v9")
+
+
+def test_synchronized_closed_loop_prefills_the_whole_batch_first():
+    from bench.plan.perf import predict_agg_waves
+
+    e = Engine(TINY, SYS, 1)
+    p = predict_agg_waves(e, 4, 1, 100, 10)
+    assert p.ttft_ms == pytest.approx(e.step_s(0, 0, 400, 100) * 1e3)  # 400 tokens fit one 8192 budget
+    assert p.tpot_ms == pytest.approx(e.step_s(4, 105) * 1e3)
+    assert p.request_latency_ms == pytest.approx(p.ttft_ms + 9 * p.tpot_ms)
