@@ -11,6 +11,9 @@ from tests.test_disagg_e2e import roles_in_rotation, start_frontend, start_worke
 from tests.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
+# Each prefix is one first request and one follow-up; five keep the suite's time in bounds
+# (three engines share two cores here).
+PREFIXES = 5
 
 
 def served(urls: list[str]) -> dict[str, float]:
@@ -34,7 +37,7 @@ def test_shared_prefixes_return_to_their_prefill_worker(model_dir):
         procs.append(d)
         wait_for(lambda: roles_in_rotation(furl) == ["decode", "prefill", "prefill"], 30, "workers registered")
         hits = 0
-        for i in range(10):
+        for i in range(PREFIXES):
             prefix = f"Document {i}. " + " ".join(f"Fact {i}.{j}: value {(i * 31 + j * 7) % 101}." for j in range(90))
             first = [{"role": "system", "content": prefix}, {"role": "user", "content": "Summarize fact 3."}]
             before = served([u0, u1])
@@ -58,9 +61,9 @@ def test_shared_prefixes_return_to_their_prefill_worker(model_dir):
             cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             assert cached >= 128, cached
             hits += 1
-        assert hits == 10
+        assert hits == PREFIXES
         ratio = metrics(furl)
-        assert metric(ratio, "pdserve_router_cached_token_ratio_count") >= 20
+        assert metric(ratio, "pdserve_router_cached_token_ratio_count") >= 2 * PREFIXES
     finally:
         for proc in reversed(procs):
             proc.stop()
