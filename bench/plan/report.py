@@ -226,14 +226,9 @@ def write(doc: dict[str, Any], save_dir: Path) -> None:
 
 
 def read_plan(path: Path) -> dict[str, Any]:
-    p = Path(path)
-    f = p / "plan.json" if p.is_dir() else p
-    try:
-        doc = json.loads(f.read_text())
-    except OSError as e:
-        raise PlanError(f"{f}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise PlanError(f"{f}: invalid JSON: {e}") from None
+    from bench.files import read_json
+
+    f, doc = read_json(path, "plan.json", PlanError)
     if not isinstance(doc, dict) or doc.get("schema") != PLAN_SCHEMA:
         raise PlanError(f"{f}: not a {PLAN_SCHEMA} plan (schema {doc.get('schema') if isinstance(doc, dict) else None!r})")
     return doc

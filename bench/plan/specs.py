@@ -3,7 +3,6 @@ bench/plan/data (or a Hugging Face config directory, or a calibrated system prof
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,12 +74,9 @@ class SystemSpec:
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except OSError as e:
-        raise PlanError(f"{path}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise PlanError(f"{path}: invalid JSON: {e}") from None
+    from bench.files import read_json
+
+    return read_json(path, None, PlanError)[1]
 
 
 def known_models() -> dict[str, dict[str, Any]]:

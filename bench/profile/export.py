@@ -263,16 +263,10 @@ def write_artifacts(result: ProfileResult, plots: bool = True) -> dict[str, Any]
 
 def load_summary(path: Path) -> dict[str, Any]:
     """profile_export_aiperf.json of an artifact dir (or the file itself)."""
+    from bench.files import read_json  # noqa: PLC0415
     from bench.profile.errors import DatasetError  # noqa: PLC0415
 
-    p = Path(path)
-    f = p / "profile_export_aiperf.json" if p.is_dir() else p
-    try:
-        doc = json.loads(f.read_text())
-    except OSError as e:
-        raise DatasetError(f"{f}: {e.strerror or e}") from None
-    except ValueError as e:
-        raise DatasetError(f"{f}: invalid JSON: {e}") from None
+    f, doc = read_json(path, "profile_export_aiperf.json", DatasetError)
     if not isinstance(doc, dict):
         raise DatasetError(f"{f}: not a profile summary")
     return doc
