@@ -161,10 +161,14 @@ class Client:
                            deadline: float | None) -> None:
         queue = deque(sessions)
 
+        budget = self.plan.num_requests if phase == "profiling" else None
+
         async def user() -> None:
             while queue and not self.stopping:
                 if deadline is not None and time.perf_counter() >= deadline:
                     return
+                if budget is not None and self.sent >= budget:
+                    return  # a cycling pool would otherwise spin here until the deadline
                 s = queue.popleft()
                 if cycle:
                     queue.append(s)
