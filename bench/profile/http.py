@@ -87,7 +87,8 @@ class _Conn(asyncio.Protocol):
         if resp is None or self.done is None:
             return  # stray bytes after a finished/abandoned response; the pool drops us
         if self.state == 0:
-            self.buf += data
+            # The previous response's last CRLF may arrive late, ahead of this head: skip it.
+            self.buf = (self.buf + data).lstrip(b"\r\n") if not self.buf else self.buf + data
             end = self.buf.find(b"\r\n\r\n")
             if end < 0:
                 return

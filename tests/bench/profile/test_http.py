@@ -65,3 +65,27 @@ def test_parse_midstream_error_and_http_error():
     resp = RawResponse(status=400, headers={"content-type": "application/json"}, pieces=[(1, body)], end_ns=2)
     r = parse_response(Record(0, 0, "profiling", 0, 0, 0), resp, chat=True)
     assert r.error is not None and (r.error.code, r.error.type, r.error.message) == (400, "invalid_request_error", "too long")
+
+
+def test_a_late_crlf_of_the_previous_response_is_skipped():
+    import asyncio
+
+    from bench.profile.http import Pool, _Conn
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        conn = _Conn(Pool("h", 1))
+
+        class T:
+            def write(self, data):
+                pass
+
+        conn.transport = T()  # type: ignore[assignment]
+        fut = loop.create_future()
+        conn.send(b"GET / HTTP/1.1\r\n\r\n", fut)
+        conn.data_received(b"\r\n")  # tail of the previous chunked response
+        conn.data_received(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+        resp = await fut
+        return resp.status, b"".join(p for _, p in resp.pieces)
+
+    assert asyncio.run(go()) == (200, b"ok")
