@@ -221,6 +221,9 @@ class PdWorker:
     def _progress_holds(self) -> None:
         _unpin_thread()  # never compete with the engine thread for its core
         while not self._stopping:
+            # Expire here too: a reader that died mid-read must not keep this thread polling
+            # until the (idle) engine's next step.
+            self._sweep_leases()
             with self._lock:
                 reading = any(h.reading for h in self._holds.values())
             if not reading:

@@ -94,7 +94,7 @@ def plan(i: PlanInputs) -> dict[str, Any]:
         "pareto": {"agg": [x.to_dict() for x in pareto(agg, t)], "disagg": [x.to_dict() for x in pareto(dis, t)]},
         "searched": {"agg": len(agg), "disagg": len(dis), "seconds": elapsed},
         "launch": launch_commands(best, model, i, system) if best else None,
-        "load_test": load_test_command(best, i) if best else None,
+        "load_test": load_test_command(best, model, i) if best else None,
     }
 
 
@@ -130,10 +130,10 @@ def launch_commands(best: Layout, model: ModelShape, i: PlanInputs, system: Syst
     return {"up": shlex.join(up), "frontend": shlex.join(frontend), "workers": [shlex.join(w) for w in workers]}
 
 
-def load_test_command(best: Layout, i: PlanInputs) -> str:
+def load_test_command(best: Layout, model: ModelShape, i: PlanInputs) -> str:
     """The guide's check: the planned concurrency, concurrency x 40 requests, ignore_eos."""
     c = max(1, round(best.pred.concurrency))
-    m = _served_model(i, load_model(i.model))
+    m = _served_model(i, model)
     return shlex.join(["pdserve", "bench", "profile", "-m", m, "--endpoint-type", "chat", "-u", "http://localhost:8000",
                        "--isl", str(i.isl), "--isl-stddev", "0", "--osl", str(i.osl), "--osl-stddev", "0",
                        "--num-requests", str(c * 40), "--concurrency", str(c), "--streaming",
@@ -192,9 +192,9 @@ def _pareto_csv_png(doc: dict[str, Any], d: Path) -> None:
             for r in doc["pareto"][mode]:
                 w.writerow([mode, round(r["tokens_per_s_per_user"], 4), round(r["tokens_per_s_per_gpu"], 4),
                             round(r["ttft_ms"], 3), round(r["tpot_ms"], 3), r["layout"]])
-    from bench.profile.plots import _plt
+    from bench.profile.plots import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     for mode, color in (("agg", "#4477aa"), ("disagg", "#cc6677")):
         pts = doc["pareto"][mode]

@@ -14,7 +14,8 @@ from bench.profile import metrics as M
 from bench.profile.profile import ProfileResult
 
 
-def _plt():
+def pyplot():
+    """matplotlib.pyplot on the headless Agg backend (imported on first use: plots are optional work)."""
     import matplotlib  # noqa: PLC0415
 
     matplotlib.use("Agg")
@@ -24,7 +25,7 @@ def _plt():
 
 
 def _hist(values: list[float], title: str, xlabel: str, path: Path) -> None:
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.hist(values, bins=min(60, max(5, len(values) // 5)), color="#4477aa")
     ax.set_title(title)
@@ -49,7 +50,7 @@ def write_plots(result: ProfileResult, out: Path) -> list[Path]:
     if itl:
         _hist(itl, "Inter-token latency", "ms", out / "itl_distribution.png")
         written.append(out / "itl_distribution.png")
-    plt = _plt()
+    plt = pyplot()
     t0 = min(r.start_ns for r in result.records)
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = [(r.start_ns - t0) / 1e9 for r in ok]

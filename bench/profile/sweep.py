@@ -62,9 +62,9 @@ def write_csv(points: list[dict[str, Any]], path: Path) -> None:
 
 
 def plot(points: list[dict[str, Any]], path: Path, gpus: int) -> None:
-    from bench.profile.plots import _plt  # noqa: PLC0415
+    from bench.profile.plots import pyplot  # noqa: PLC0415
 
-    plt = _plt()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
     ax.scatter([p["tokens_per_s_per_user"] for p in points], [p["tokens_per_s_per_gpu"] for p in points])
     for p in points:
