@@ -34,12 +34,16 @@ ceil(B * ISL / budget) steps, before B decode together: TTFT = those prefill ste
 TPOT = step(B decode at ISL + OSL/2). It is how such a check measures, not how open traffic
 behaves, so the planner ranks with the steady-state model and the checks use this one.
 
-Disaggregated: a prefill worker runs `b` prompts per step (S_p = step of b * ISL tokens);
-requests queue in front of it (M/D/1: wait = rho * S_p / (2 (1 - rho))) and the highest
-utilisation rho <= 0.95 that keeps TTFT = wait + S_p + KV transfer + one decode step within
-target sets its capacity rho * b / S_p. A decode worker holds B requests for OSL - 1 steps:
-capacity B / ((OSL - 1) * TPOT). The system serves min(P * prefill capacity, D * decode
-capacity) requests/s.
+Disaggregated: a prefill worker runs `b` prompts per step (S_p = step of b * ISL tokens,
+times `prefill_latency` for its KV connector's work); requests queue in front of it (M/D/1:
+wait = rho * S_p / (2 (1 - rho))) and the highest utilisation rho <= `prefill_utilisation`
+that keeps TTFT = wait + S_p + KV transfer + one decode step within target sets its capacity
+rho * b / S_p. A decode worker holds B requests for OSL - 1 steps of TPOT = step(B decode at
+ISL + OSL/2) * `decode_latency`, its slots `decode_occupancy` full on average: capacity
+decode_occupancy * B / ((OSL - 1) * TPOT). The system serves min(P * prefill capacity,
+D * decode capacity) requests/s. The four factors are the system profile's "disagg" block
+(sources in data/systems.json: AIConfigurator's rate-matching and latency corrections,
+which its authors calibrated against measured disaggregated deployments).
 
 Throughput per GPU = requests/s * OSL / GPUs; per user = 1 / TPOT; request latency =
 TTFT + (OSL - 1) * TPOT; concurrency = requests/s * latency (Little's law).
@@ -54,7 +58,6 @@ from bench.plan.specs import ModelShape, SystemSpec
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
 ALLREDUCE_LATENCY_S = 10e-6
-MAX_PREFILL_UTILISATION = 0.95
 
 
 @dataclass(frozen=True)
@@ -188,22 +191,28 @@ def predict_agg_waves(e: Engine, batch: int, replicas: int, isl: int, osl: int) 
 def prefill_capacity(e: Engine, prompts: int, isl: int, ttft_budget_s: float) -> tuple[float, float]:
     """(requests/s one prefill worker sustains within the TTFT budget, its TTFT there).
     `ttft_budget_s` is what is left for queueing + prefill after transfer and decode."""
-    s = e.prefill_s(isl, prompts)
+    d = e.system.disagg
+    s = e.prefill_s(isl, prompts) * d["prefill_latency"]
     if s > ttft_budget_s:
         return 0.0, s
     # M/D/1 wait rho*s/(2(1-rho)) + s <= budget  ->  rho <= 2(b - s) / (2(b - s) + s)
     slack = ttft_budget_s - s
-    rho = min(MAX_PREFILL_UTILISATION, 2 * slack / (2 * slack + s))
+    rho = min(d["prefill_utilisation"], 2 * slack / (2 * slack + s))
     wait = rho * s / (2 * (1 - rho))
     return rho * prompts / s, wait + s
 
 
+def decode_tpot_s(de: Engine, decode_batch: int, isl: int, osl: int) -> float:
+    """A disaggregated decode worker's step: the engine step plus its KV connector's share."""
+    return de.step_s(decode_batch, isl + osl / 2) * de.system.disagg["decode_latency"]
+
+
 def predict_disagg(pe: Engine, de: Engine, prefill_workers: int, decode_workers: int, prefill_batch: int,
                    decode_batch: int, isl: int, osl: int, ttft_target_ms: float, network: str) -> Prediction:
-    tpot = de.step_s(decode_batch, isl + osl / 2)
+    tpot = decode_tpot_s(de, decode_batch, isl, osl)
     transfer = pe.kv_transfer_s(isl, network)
     cap_p, ttft_p = prefill_capacity(pe, prefill_batch, isl, ttft_target_ms / 1000.0 - transfer - tpot)
-    cap_d = decode_batch / (max(osl - 1, 1) * tpot)
+    cap_d = de.system.disagg["decode_occupancy"] * decode_batch / (max(osl - 1, 1) * tpot)
     rps = min(prefill_workers * cap_p, decode_workers * cap_d)
     ttft = ttft_p + transfer + tpot
     return _finish(ttft, tpot, rps, osl, prefill_workers * pe.tp + decode_workers * de.tp)

@@ -48,6 +48,11 @@ class ModelShape:
                 "vocab": self.vocab, "tied_embeddings": self.tied_embeddings}
 
 
+# Factors that leave a disaggregated prediction unchanged (a profile without a "disagg" block).
+DISAGG_NEUTRAL = {"prefill_latency": 1.0, "decode_latency": 1.0, "prefill_utilisation": 0.95,
+                  "decode_occupancy": 1.0}
+
+
 @dataclass(frozen=True)
 class SystemSpec:
     name: str
@@ -62,6 +67,9 @@ class SystemSpec:
     max_num_batched_tokens: int = 8192
     gpus_per_node: int = 8
     activation_reserve_gib: float = 2.0  # per engine, besides weights and KV cache
+    # disaggregated-only factors (see perf.py): prefill_latency, decode_latency,
+    # prefill_utilisation, decode_occupancy
+    disagg: dict[str, float] = field(default_factory=lambda: dict(DISAGG_NEUTRAL))
     sources: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -70,7 +78,7 @@ class SystemSpec:
                 "efficiency": self.efficiency, "step_overhead_ms": self.step_overhead_ms,
                 "kv_memory_fraction": self.kv_memory_fraction, "max_num_batched_tokens": self.max_num_batched_tokens,
                 "gpus_per_node": self.gpus_per_node, "activation_reserve_gib": self.activation_reserve_gib,
-                "sources": self.sources}
+                "disagg": self.disagg, "sources": self.sources}
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -140,6 +148,11 @@ def load_system(name: str) -> SystemSpec:
     else:
         raise PlanError(f"unknown system {name!r}: known: {', '.join(system_names())}")
     eff = {**defaults["efficiency"], **s.get("efficiency", {})}
+    disagg = {**DISAGG_NEUTRAL, **defaults.get("disagg", {}), **s.get("disagg", {})}
+    bad = sorted(k for k, v in disagg.items() if k not in DISAGG_NEUTRAL or not 0 < float(v) <= 2)
+    if bad:
+        raise PlanError(f"system {name!r}: bad disagg factor(s) {', '.join(bad)}: known "
+                        f"{', '.join(DISAGG_NEUTRAL)}, each in (0, 2]")
     return SystemSpec(
         name=s.get("name", name), peak_tflops=s["peak_tflops"], hbm_gbps=s["hbm_gbps"], memory_gib=s["memory_gib"],
         nvlink_gbps=s.get("nvlink_gbps", 25), network_gbps=s.get("network_gbps", {"rdma": 25, "tcp": 3}),
@@ -147,4 +160,5 @@ def load_system(name: str) -> SystemSpec:
         kv_memory_fraction=s.get("kv_memory_fraction", defaults["kv_memory_fraction"]),
         max_num_batched_tokens=s.get("max_num_batched_tokens", defaults["max_num_batched_tokens"]),
         gpus_per_node=s.get("gpus_per_node", 8), activation_reserve_gib=s.get("activation_reserve_gib", 2.0),
+        disagg={k: float(v) for k, v in disagg.items()},
         sources={**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})})

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 
 from bench.plan.errors import PlanError
-from bench.plan.perf import Engine, prefill_capacity
+import dataclasses
+import json
+
+from bench.plan.perf import Engine, predict_disagg, prefill_capacity
 from bench.plan.specs import ModelShape, SystemSpec, load_model, load_system
 
 TINY = ModelShape("tiny", hidden=8, layers=2, heads=2, kv_heads=1, head_dim=4, intermediate=16, vocab=10)
@@ -62,6 +65,31 @@ def test_prefill_capacity_respects_the_ttft_budget():
     assert ttft == pytest.approx(3 * s) or ttft < 3 * s
     assert 0 < cap <= 0.95 / s
     assert prefill_capacity(e, 1, 10, s / 2) == (0.0, s)
+
+
+def test_disagg_factors_scale_the_worker_steps_and_capacities():
+    plain = Engine(TINY, SYS, 1)
+    factors = {"prefill_latency": 1.1, "decode_latency": 1.08, "prefill_utilisation": 0.9, "decode_occupancy": 0.92}
+    e = Engine(TINY, dataclasses.replace(SYS, disagg=factors), 1)
+    step = plain.step_s(4, 10 + 8 / 2)
+    base = predict_disagg(plain, plain, 1, 1, 1, 4, 10, 8, 1e6, "rdma")
+    p = predict_disagg(e, e, 1, 1, 1, 4, 10, 8, 1e6, "rdma")
+    assert base.tpot_ms == pytest.approx(step * 1e3)
+    assert p.tpot_ms == pytest.approx(1.08 * step * 1e3)
+    # a huge TTFT budget: prefill runs at its utilisation cap, of a 10% longer step
+    cap_p = 0.9 / (1.1 * plain.prefill_s(10))
+    cap_d = 0.92 * 4 / (7 * 1.08 * step)
+    assert p.requests_per_s == pytest.approx(min(cap_p, cap_d))
+    assert base.requests_per_s == pytest.approx(min(0.95 / plain.prefill_s(10), 4 / (7 * step)))
+
+
+def test_system_disagg_block_is_checked(tmp_path):
+    assert load_system("h200_sxm").disagg["decode_occupancy"] == 0.92
+    prof = json.loads(json.dumps(load_system("h200_sxm").to_dict()))
+    prof["disagg"] = {"decode_ocupancy": 0.9}
+    (tmp_path / "bad.json").write_text(json.dumps(prof))
+    with pytest.raises(PlanError, match="bad disagg factor.*decode_ocupancy"):
+        load_system(str(tmp_path / "bad.json"))
 
 
 def test_known_models_by_name_with_or_without_org(tmp_path):
