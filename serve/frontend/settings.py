@@ -18,6 +18,8 @@ class FrontendSettings:
     max_poll_failures: int = 3
     retry_after_s: int = 5
     max_body_bytes: int = 4 * 1024 * 1024
+    graceful_timeout_s: float = 30.0
+    drain_settle_s: float = 0.0
     # Disaggregated serving (used when prefill workers are registered).
     router_mode: str = "kv"
     kv_overlap_score_weight: float = 1.0
