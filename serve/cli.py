@@ -195,6 +195,15 @@ def _logging(level: str) -> None:
 
 
 def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
+    from serve import discovery
+
+    try:
+        for url in args.frontend:
+            discovery.check(url)
+    except ValueError as exc:
+        raise PdserveError(str(exc)) from exc
+    if args.graceful_timeout < 0:
+        raise PdserveError("--graceful-timeout must be >= 0")
     from serve.engine import apply_environment, cpu_environment
     from serve.model import resolve_model, served_name
 
@@ -216,15 +225,6 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
         model=model, served_model_name=name, kv_transfer=args.role != "agg" or args.kv_transfer,
         graceful_timeout_s=args.graceful_timeout,
     )
-    from serve import discovery
-
-    try:
-        for url in settings.frontends:
-            discovery.check(url)
-    except ValueError as exc:
-        raise PdserveError(str(exc)) from exc
-    if args.graceful_timeout < 0:
-        raise PdserveError("--graceful-timeout must be >= 0")
     if settings.kv_transfer:
         if any(a.startswith("--kv-transfer-config") for a in passthrough):
             raise PdserveError("--kv-transfer-config is set by pdserve for prefill/decode workers; drop it")
