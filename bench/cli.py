@@ -50,6 +50,9 @@ def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
     sw.add_argument("--requests-per-concurrency", type=int, default=None,
                     help="requests per run = C x this (default: --num-requests, else 10 x C)")
     fake_server.add_parser(bsub)
+    from bench.soak import add_parser as add_soak_parser
+
+    add_soak_parser(bsub)
     from bench.plan.cli import add_bench_parsers
 
     add_bench_parsers(bsub)
@@ -113,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
         return run_bench(args)
     if args.bench_command in ("profile", "compare", "sweep", "fake-server", "loadgen-vs-aiperf"):
         return _profile_commands(args)
+    if args.bench_command == "soak":
+        from bench.soak import run as run_soak
+
+        return run_soak(args)
     if args.bench_command == "kv":
         if args.e2e:
             from bench.kv.e2e import run as run_e2e

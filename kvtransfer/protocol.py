@@ -10,6 +10,8 @@ conversions to and from that dict are the only place the dict is touched.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 from typing import Any, Literal
 
 import msgspec
@@ -65,9 +67,31 @@ def check_compatible(local: EngineMetadata, remote: EngineMetadata) -> None:
 
 
 # -- side channel --------------------------------------------------------------------
+TOKEN_ENV = "PDSERVE_CLUSTER_TOKEN"
+
+
+def cluster_token() -> str | None:
+    """The cluster token this engine process was started with (never put in vLLM's config,
+    which vLLM logs)."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def engine_auth(token: str | None, engine_id: str) -> str:
+    """What an engine presents on every side-channel message: HMAC-SHA256(token, engine id).
+    Empty without a token."""
+    if not token:
+        return ""
+    return hmac.new(token.encode(), engine_id.encode(), hashlib.sha256).hexdigest()
+
+
+def authorized(token: str | None, engine_id: str, auth: str) -> bool:
+    return not token or hmac.compare_digest(engine_auth(token, engine_id), auth)
+
+
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
     protocol_version: int
     engine_id: str
+    auth: str = ""  # engine_auth(): only engines holding the cluster token get an answer
 
 
 class Acquire(msgspec.Struct, frozen=True, tag="acquire"):
@@ -75,6 +99,7 @@ class Acquire(msgspec.Struct, frozen=True, tag="acquire"):
 
     request_id: str
     engine_id: str
+    auth: str = ""
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -82,6 +107,7 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
 
     request_id: str
     engine_id: str
+    auth: str = ""
 
 
 class Reply(msgspec.Struct, frozen=True, tag="reply"):

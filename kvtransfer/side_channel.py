@@ -3,7 +3,9 @@
 The server thread answers `Hello` with this engine's `EngineMetadata` (the handshake),
 and `Acquire` / `Release` through callbacks into the lease table. Clients time out on
 every call (`timeout_s`) and then discard their socket, so a dead peer costs one timeout,
-never a hang. The server binds to the address it is given (loopback by default).
+never a hang. The server binds to the address it is given (loopback by default). With a
+cluster token, every message must carry its HMAC for the sender's engine id: an engine
+outside the cluster is refused (and logged once).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import msgspec
 import zmq
 
 from kvtransfer.errors import HandshakeError
-from kvtransfer.protocol import PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Message, Release, Reply
+from kvtransfer.protocol import PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Message, Release, Reply, authorized
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.side_channel")
 
@@ -46,8 +48,11 @@ def context() -> zmq.Context:
 
 class SideChannelServer:
     def __init__(self, endpoint: str, metadata: Callable[[], EngineMetadata],
-                 on_acquire: Callable[[Acquire], Reply], on_release: Callable[[Release], Reply]) -> None:
+                 on_acquire: Callable[[Acquire], Reply], on_release: Callable[[Release], Reply],
+                 token: str | None = None) -> None:
         self.ctx = context()
+        self._token = token
+        self._refused: set[str] = set()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
@@ -64,6 +69,12 @@ class SideChannelServer:
             msg = _decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return Reply("error", f"malformed message: {exc}")
+        if isinstance(msg, Hello | Acquire | Release) and not authorized(self._token, msg.engine_id, msg.auth):
+            if msg.engine_id not in self._refused:  # once per engine: a retrying peer does not flood the log
+                self._refused.add(msg.engine_id)
+                log.warning("kvtransfer: refused %s from unregistered engine %r (no or wrong cluster token)",
+                            type(msg).__name__.lower(), msg.engine_id)
+            return Reply("error", "unauthorized: this engine does not hold the cluster token")
         if isinstance(msg, Hello):
             if msg.protocol_version != PROTOCOL_VERSION:
                 return Reply("error", f"protocol version: local {PROTOCOL_VERSION} vs remote {msg.protocol_version}")

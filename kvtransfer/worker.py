@@ -37,7 +37,8 @@ from kvtransfer import transport
 from kvtransfer.errors import HandshakeError, TransferFailed
 from kvtransfer.layout import KVLayout, layout_from_tensors, merge_descriptors
 from kvtransfer.protocol import (
-    PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Release, Reply, TransferParams, check_compatible,
+    PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Release, Reply, TransferParams, check_compatible, cluster_token,
+    engine_auth,
 )
 from kvtransfer.scheduler import LoadSpec, PdConnectorMetadata
 from kvtransfer.side_channel import SideChannelClient, SideChannelServer
@@ -107,6 +108,22 @@ class WorkerConfig:
     extra: dict = field(default_factory=dict)
 
 
+FAULT_PAUSE_FILE_ENV = "PDSERVE_KV_FAULT_PAUSE_FILE"
+
+
+def _fault_pause_from_file() -> float:
+    """Test-only fault hook: while the file named by PDSERVE_KV_FAULT_PAUSE_FILE exists, each
+    READ pauses for the seconds it holds before it starts (never set in production)."""
+    path = os.environ.get(FAULT_PAUSE_FILE_ENV)
+    if not path:
+        return 0.0
+    try:
+        with open(path) as f:
+            return max(0.0, float(f.read().strip() or 0))
+    except (OSError, ValueError):
+        return 0.0
+
+
 class PdWorker:
     def __init__(self, cfg: WorkerConfig, num_blocks: int) -> None:
         self.cfg = cfg
@@ -128,6 +145,8 @@ class PdWorker:
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-kv-io",
                                       initializer=_unpin_thread)
         self._preparing: dict[str, Preparing] = {}
+        self._token = cluster_token()
+        self._auth = engine_auth(self._token, cfg.engine_id)
         self._reads: dict[str, Read] = {}
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -159,7 +178,7 @@ class PdWorker:
         spans = self.layout.spans()
         self.agent.register_memory([(a, n, self.layout.device_id, "") for a, n in spans], self.layout.device)
         self.server = SideChannelServer(self.cfg.bind_endpoint, lambda: self.metadata,
-                                        self._on_acquire, self._on_release)
+                                        self._on_acquire, self._on_release, token=self._token)
         self._progress_thread = threading.Thread(target=self._progress_holds, name="pdserve-kv-holder-progress",
                                                  daemon=True)
         self._progress_thread.start()
@@ -255,8 +274,9 @@ class PdWorker:
     # Runs on an io thread: handshake (cached per engine), compatibility, acquire.
     def _prepare(self, spec: LoadSpec, queued_at: float) -> Peer:
         began = time.monotonic()
-        if self.cfg.fault_pause_s:
-            time.sleep(self.cfg.fault_pause_s)  # test-only: hold a transfer at this point
+        pause = self.cfg.fault_pause_s or _fault_pause_from_file()
+        if pause:
+            time.sleep(pause)  # test-only: hold a transfer at this point
         remote = spec.remote
         peer = self._handshake(remote)
         shook = time.monotonic()
@@ -269,7 +289,7 @@ class PdWorker:
         while True:
             try:
                 with peer.lock:
-                    reply = peer.client.call(Acquire(remote.request_id, self.cfg.engine_id))
+                    reply = peer.client.call(Acquire(remote.request_id, self.cfg.engine_id, self._auth))
             except HandshakeError as exc:  # holder unreachable: maybe restarted; handshake again next time
                 self._forget_peer(remote.engine_id)
                 raise TransferFailed(str(exc)) from exc
@@ -293,7 +313,7 @@ class PdWorker:
             return peer
         client = SideChannelClient(remote.side_channel, self.cfg.handshake_timeout_s)
         try:
-            reply = client.call(Hello(PROTOCOL_VERSION, self.cfg.engine_id))
+            reply = client.call(Hello(PROTOCOL_VERSION, self.cfg.engine_id, self._auth))
         except HandshakeError as exc:
             client.close()
             raise TransferFailed(str(exc)) from exc
@@ -326,11 +346,11 @@ class PdWorker:
                 peer = self._peers.get(remote.engine_id)
             if peer is not None:
                 with peer.lock:
-                    peer.client.call(Release(remote.request_id, self.cfg.engine_id))
+                    peer.client.call(Release(remote.request_id, self.cfg.engine_id, self._auth))
             else:
                 client = SideChannelClient(remote.side_channel, self.cfg.handshake_timeout_s)
                 try:
-                    client.call(Release(remote.request_id, self.cfg.engine_id))
+                    client.call(Release(remote.request_id, self.cfg.engine_id, self._auth))
                 finally:
                     client.close()
             self._releases_sent += 1

@@ -17,6 +17,8 @@ from serve.errors import PdserveError
 DEFAULT_HOST = os.environ.get("PDSERVE_HOST", "127.0.0.1")
 
 
+log = logging.getLogger("pdserve.cli")
+
 def _env_list(name: str) -> list[str]:
     return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
 
@@ -37,6 +39,24 @@ def _add_model_arg(p: argparse.ArgumentParser) -> None:
                         "(default: the embedded smollm2-135m-instruct; env PDSERVE_MODEL)")
     p.add_argument("--served-model-name", default=None,
                    help="name clients put in `model` (default: derived from --model)")
+
+
+def _add_token_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN") or None,
+                   help="shared secret of frontends and workers: required on registration and every worker "
+                        "endpoint, and (as an HMAC) on the KV side channel; unset: open, for one machine "
+                        "(env PDSERVE_CLUSTER_TOKEN; `pdserve up` makes one)")
+    p.add_argument("--auth-exempt-paths", default=os.environ.get("PDSERVE_AUTH_EXEMPT_PATHS", "/health,/live,/metrics"),
+                   help="comma-separated paths open without a key or token (default: /health,/live,/metrics; "
+                        "env PDSERVE_AUTH_EXEMPT_PATHS)")
+
+
+def _paths(value: str) -> list[str]:
+    paths = [v.strip() for v in value.split(",") if v.strip()]
+    bad = [v for v in paths if not v.startswith("/")]
+    if bad:
+        raise PdserveError(f"--auth-exempt-paths: {', '.join(bad)}: paths start with /")
+    return paths
 
 
 def _add_log_arg(p: argparse.ArgumentParser) -> None:
@@ -107,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="port of the ZMQ KV-event publisher; 0 picks a free one (default: 0)")
     w.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds SIGTERM and `pdserve drain` wait for in-flight requests (default: 30)")
+    _add_token_args(w)
     w.add_argument("--kv-fault-pause-seconds", type=float, default=0.0, help=argparse.SUPPRESS)
     _add_model_arg(w)
     _add_log_arg(w)
@@ -122,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for the next token from a worker (default: 120)")
     f.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds SIGTERM and `pdserve drain` wait for in-flight requests (default: 30)")
+    f.add_argument("--max-concurrent-requests", type=int, default=512,
+                   help="requests served at once; more wait in the admission queue (default: 512)")
+    f.add_argument("--max-queued-requests", type=int, default=512,
+                   help="requests waiting for a slot; beyond that, 429 with Retry-After (default: 512)")
+    f.add_argument("--queue-timeout", type=float, default=60.0,
+                   help="seconds a request may wait for a slot before a 504 (default: 60)")
+    f.add_argument("--api-key", action="append", default=_env_list("PDSERVE_API_KEY"), metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on the OpenAI endpoints (repeatable; env "
+                        "PDSERVE_API_KEY, comma-separated); without it they are open")
+    _add_token_args(f)
     f.add_argument("--drain-settle", type=float, default=0.0,
                    help="seconds `pdserve drain` keeps serving after leaving readiness, for load balancers "
                         "to notice (default: 0; the Kubernetes manifests use 5)")
@@ -150,6 +181,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_args(u)
     u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
     u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
+    u.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on the frontend's OpenAI endpoints (repeatable; "
+                        "env PDSERVE_API_KEY)")
     u.add_argument("--ready-timeout", type=float, default=180.0,
                    help="seconds to wait for every process to become ready (default: 180)")
     _add_model_arg(u)
@@ -172,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for in-flight requests (default: the process's --graceful-timeout)")
     d.add_argument("--settle", type=float, default=None,
                    help="seconds to keep serving first, for load balancers to notice (default: the process's)")
+    d.add_argument("--cluster-token", default=os.environ.get("PDSERVE_CLUSTER_TOKEN") or None,
+                   help="the process's cluster token, if it has one (env PDSERVE_CLUSTER_TOKEN)")
 
     m = sub.add_parser("model", help="prepare models")
     msub = m.add_subparsers(dest="model_command", metavar="ACTION")
@@ -223,8 +259,14 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
         role=args.role, host=args.host, port=args.port, advertise_host=args.advertise_host,
         frontends=args.frontend, lease_seconds=args.lease_seconds, worker_id=args.worker_id,
         model=model, served_model_name=name, kv_transfer=args.role != "agg" or args.kv_transfer,
-        graceful_timeout_s=args.graceful_timeout,
+        graceful_timeout_s=args.graceful_timeout, cluster_token=args.cluster_token,
+        auth_exempt_paths=_paths(args.auth_exempt_paths),
     )
+    if args.cluster_token:
+        os.environ["PDSERVE_CLUSTER_TOKEN"] = args.cluster_token  # the KV connector (engine process) reads it
+    elif args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("worker binds %s without a cluster token: anyone who reaches it can generate and register",
+                    args.host)
     if settings.kv_transfer:
         if any(a.startswith("--kv-transfer-config") for a in passthrough):
             raise PdserveError("--kv-transfer-config is set by pdserve for prefill/decode workers; drop it")
@@ -274,10 +316,18 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
         use_kv_events=not args.no_kv_events, conditional_disagg_tokens=args.conditional_disagg_tokens,
         prefill_timeout_s=args.prefill_timeout, graceful_timeout_s=args.graceful_timeout,
-        drain_settle_s=args.drain_settle,
+        drain_settle_s=args.drain_settle, api_keys=args.api_key, cluster_token=args.cluster_token,
+        max_active_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
+        queue_timeout_s=args.queue_timeout,
+        auth_exempt_paths=_paths(args.auth_exempt_paths),
     )
-    if args.graceful_timeout < 0 or args.drain_settle < 0:
-        raise PdserveError("--graceful-timeout and --drain-settle must be >= 0")
+    if not args.cluster_token and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("frontend binds %s without a cluster token: anyone who reaches it can register a worker",
+                    args.host)
+    if args.graceful_timeout < 0 or args.drain_settle < 0 or args.queue_timeout < 0:
+        raise PdserveError("--graceful-timeout, --drain-settle and --queue-timeout must be >= 0")
+    if args.max_concurrent_requests < 1 or args.max_queued_requests < 0:
+        raise PdserveError("--max-concurrent-requests must be >= 1 and --max-queued-requests >= 0")
     uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level,
                 access_log=False, timeout_graceful_shutdown=max(1, int(args.graceful_timeout)))
     return 0
@@ -307,6 +357,13 @@ def cmd_up(args: argparse.Namespace) -> int:
             if value < 1:
                 raise PdserveError(f"--{role}-max-num-seqs must be >= 1")
             role_args[role] = ["--max-num-seqs", str(value)]
+    import secrets
+
+    # The children share a cluster token (made here unless one is set), passed by environment
+    # so it shows in no command line; so are API keys.
+    os.environ.setdefault("PDSERVE_CLUSTER_TOKEN", secrets.token_hex(16))
+    if args.api_key:
+        os.environ["PDSERVE_API_KEY"] = ",".join(args.api_key)
     settings = UpSettings(
         host=args.host, port=args.port, advertise_host=args.advertise_host, roles=roles,
         worker_base_port=args.worker_base_port, model=args.model, served_model_name=args.served_model_name,
@@ -350,7 +407,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
             raise PdserveError(f"--{k} must be >= 0")
     wait = sum(params.values()) if params else 3600.0
     try:
-        r = httpx.post(f"{args.url.rstrip('/')}/internal/drain", params=params, timeout=wait + 10.0)
+        from serve.auth import token_headers
+
+        r = httpx.post(f"{args.url.rstrip('/')}/internal/drain", params=params, timeout=wait + 10.0,
+                       headers=token_headers(args.cluster_token))
     except httpx.HTTPError as exc:
         raise PdserveError(f"{args.url}: {exc}") from exc
     if r.status_code != 200:

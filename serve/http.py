@@ -9,7 +9,7 @@ is what turns a closed connection into an engine abort.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from starlette.requests import Request
@@ -35,8 +35,10 @@ class DisconnectAwareStreamingResponse(Response):
         status_code: int = 200,
         media_type: str | None = None,
         headers: dict[str, str] | None = None,
+        on_close: Callable[[], None] | None = None,
     ) -> None:
         self.body_iterator = content
+        self.on_close = on_close  # runs however the response ends, even if never started
         self.status_code = status_code
         self.media_type = media_type
         self.init_headers(headers)
@@ -66,6 +68,8 @@ class DisconnectAwareStreamingResponse(Response):
             for task in (stream, watcher):
                 task.cancel()
             await asyncio.gather(stream, watcher, return_exceptions=True)
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T | None:

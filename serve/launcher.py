@@ -143,6 +143,7 @@ class Launcher:
             f"\npdserve is up: OpenAI API at {frontend_url}/v1 (model {name!r}, workers: "
             f"{', '.join(f'{n + 1} {r}' for r, n in counts.items())})\n"
             f"  curl {frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            + ("    -H \"Authorization: Bearer $PDSERVE_API_KEY\" \\\n" if os.environ.get("PDSERVE_API_KEY") else "") +
             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"What is the capital of France?\"}}]}}'\n"
             f"Stop with Ctrl-C.", flush=True)

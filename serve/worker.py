@@ -32,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client import REGISTRY as VLLM_REGISTRY
 
 from serve import discovery
+from serve.auth import Gate, token_headers
 from serve import protocol as p
 from serve.drain import drain_params, wait_idle
 from serve.engine import EngineStats, start_engine
@@ -55,6 +56,8 @@ class WorkerSettings:
     served_model_name: str = ""
     graceful_timeout_s: float = 30.0
     drain_settle_s: float = 0.0
+    cluster_token: str | None = None
+    auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/live", "/metrics"])
     kv_transfer: bool = False
     kv_events_endpoint: str | None = None
 
@@ -156,7 +159,7 @@ class Worker:
         log.info("worker %s ready in %.1fs at %s (max_model_len=%d, block_size=%d)",
                  self.worker_id, time.monotonic() - t0, self.settings.url,
                  self.info.max_model_len, self.info.block_size)
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0))
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=token_headers(self.settings.cluster_token))
         if self.settings.frontends:
             self._register_task = asyncio.create_task(self._register_loop())
 
@@ -411,6 +414,9 @@ def build_app(worker: Worker) -> FastAPI:
             await worker.stop()
 
     app = FastAPI(title="pdserve worker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # Every worker endpoint but the probes and metrics needs the cluster token (when one is set).
+    app.add_middleware(Gate, cluster_token=worker.settings.cluster_token, exempt=worker.settings.auth_exempt_paths,
+                       internal_prefix="/", role=f"worker {worker.worker_id}")
     app.add_api_route("/generate", worker.generate, methods=["POST"])
     app.add_api_route("/abort", worker.abort, methods=["POST"])
     app.add_api_route("/info", worker.get_info, methods=["GET"])

@@ -33,12 +33,14 @@ def test_shared_prefixes_return_to_their_prefill_worker(model_dir):
     try:
         fe, furl = start_frontend(model_dir, [])
         procs.append(fe)
-        p0, u0 = start_worker("prefill", 0, model_dir, furl, extra=LEASE)
+        p0, u0 = start_worker("prefill", 0, model_dir, furl, extra=LEASE, wait=False)
         procs.append(p0)
-        p1, u1 = start_worker("prefill", 1, model_dir, furl, extra=LEASE)
+        p1, u1 = start_worker("prefill", 1, model_dir, furl, extra=LEASE, wait=False)
         procs.append(p1)
-        d, _ = start_worker("decode", 0, model_dir, furl, extra=LEASE)
+        d, ud = start_worker("decode", 0, model_dir, furl, extra=LEASE, wait=False)
         procs.append(d)
+        for proc, url in ((p0, u0), (p1, u1), (d, ud)):  # the three engines load at once
+            proc.wait_http(f"{url}/health", 420)
         wait_for(lambda: roles_in_rotation(furl) == ["decode", "prefill", "prefill"], 30, "workers registered")
         hits = 0
         for i in range(PREFIXES):

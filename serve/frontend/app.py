@@ -27,11 +27,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from serve import protocol as p
+from serve.auth import Gate, token_headers
 from serve.drain import drain_params, wait_idle
 from serve.errors import NoWorkerAvailable, WorkerError
 from serve.frontend import openai_protocol as oai
+from serve.frontend.admission import Admission, Overloaded, Ticket
 from serve.frontend.errors import APIError, bad_request, error_response, sse_error
 from serve.frontend.generate import Generation, TextEvent
 from serve.frontend.metrics import FrontendMetrics
@@ -60,6 +63,8 @@ class Frontend:
         self._sync_task: asyncio.Task | None = None
         self._decode_registration = p.decoder(p.Registration)
         self.active = 0  # requests in flight (what a drain waits for)
+        self.admission = Admission(settings.max_active_requests, settings.max_queued_requests)
+        self.metrics.queued.set_function(lambda: self.admission.queued)  # read at scrape time
         self.draining = False
         self._decode_abort = p.decoder(p.AbortRequest)
 
@@ -68,7 +73,7 @@ class Frontend:
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.settings.model)
         self.client = httpx.AsyncClient(
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
-            timeout=httpx.Timeout(10.0),
+            timeout=httpx.Timeout(10.0), headers=token_headers(self.settings.cluster_token),
         )
         self.pool = WorkerPool(self.settings.served_model_name, self.settings.static_workers,
                                self.settings.poll_interval_s, self.settings.max_poll_failures, self.client)
@@ -204,7 +209,25 @@ class Frontend:
     # -- the request path ---------------------------------------------------------------
     async def _handle(self, request: Request, kind: str) -> Response:
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        try:  # before the body is read: a flood is refused at the door
+            ticket = self.admission.enter()
+        except Overloaded as exc:
+            self.metrics.rejected.labels("overloaded").inc()
+            self._count(endpoint, False, 429)
+            return error_response(APIError(429, str(exc), "rate_limit_error", None, "server_overloaded",
+                                           headers={"retry-after": str(self.settings.retry_after_s)}))
+        handed_over = False
+        try:
+            response = await self._admitted(request, kind, endpoint, ticket)
+            handed_over = isinstance(response, DisconnectAwareStreamingResponse)
+            return response
+        finally:
+            if not handed_over:
+                ticket.release()
+
+    async def _admitted(self, request: Request, kind: str, endpoint: str, ticket: Ticket) -> Response:
         stream = False
+        deadline = time.monotonic() + self.settings.request_timeout_s
         try:
             body = await self._read_json(request)
             req = oai.parse(oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest, body)
@@ -218,6 +241,12 @@ class Frontend:
             assert self.pool is not None
             if not self.pool.available():
                 raise NoWorkerAvailable("no worker available")
+            try:
+                await ticket.wait(min(deadline, time.monotonic() + self.settings.queue_timeout_s))
+            except TimeoutError:
+                self.metrics.rejected.labels("queue_timeout").inc()
+                raise APIError(504, "the request timed out waiting for a free slot (the server is at capacity)",
+                               "timeout_error", None, "queue_timeout") from None
         except APIError as err:
             self._count(endpoint, stream, err.status)
             return error_response(err)
@@ -225,7 +254,6 @@ class Frontend:
             self._count(endpoint, stream, 503)
             return error_response(self._unavailable(exc))
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        deadline = time.monotonic() + self.settings.request_timeout_s
         assert self.generation is not None
         events = self.generation.run(request_id, prompt_ids, sampling, req.stop, deadline)
         headers = {"x-request-id": request_id}
@@ -233,7 +261,7 @@ class Frontend:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             body_iter = self._sse(kind, request_id, events, include_usage, endpoint)
             return DisconnectAwareStreamingResponse(body_iter, media_type="text/event-stream",
-                                                    headers={**SSE_HEADERS, **headers})
+                                                    headers={**SSE_HEADERS, **headers}, on_close=ticket.release)
         result = await cancel_on_disconnect(request, self._collect(kind, request_id, events, endpoint))
         if result is None:  # the client went away; the generation was cancelled and aborted
             self._count(endpoint, False, 499)
@@ -249,11 +277,15 @@ class Frontend:
             raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} bytes",
                            "invalid_request_error", None, "request_too_large")
         raw = bytearray()
-        async for chunk in request.stream():
-            raw += chunk
-            if len(raw) > limit:
-                raise APIError(413, f"request body exceeds the limit of {limit} bytes",
-                               "invalid_request_error", None, "request_too_large")
+        try:
+            async for chunk in request.stream():
+                raw += chunk
+                if len(raw) > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes",
+                                   "invalid_request_error", None, "request_too_large")
+        except ClientDisconnect:
+            raise APIError(499, "the client closed the connection while sending its body",
+                           "invalid_request_error", None, "client_closed_request") from None
         try:
             return json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
@@ -437,6 +469,8 @@ def build_app(settings: FrontendSettings, frontend: Frontend | None = None) -> F
 
     app = FastAPI(title="pdserve", lifespan=lifespan)
     app.state.frontend = fe
+    app.add_middleware(Gate, api_keys=settings.api_keys, cluster_token=settings.cluster_token,
+                       exempt=settings.auth_exempt_paths, role="frontend")
     app.add_api_route("/v1/chat/completions", fe.chat_completions, methods=["POST"])
     app.add_api_route("/v1/completions", fe.completions, methods=["POST"])
     app.add_api_route("/v1/models", fe.models, methods=["GET"])

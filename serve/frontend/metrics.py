@@ -46,6 +46,10 @@ class FrontendMetrics:
         self.worker_active_blocks = Gauge("pdserve_worker_active_blocks", "Active KV blocks per worker (polled)",
                                           ["worker", "role"], registry=r)
         self.workers = Gauge("pdserve_frontend_workers", "Workers in rotation", ["role"], registry=r)
+        self.queued = Gauge("pdserve_frontend_queued_requests", "Requests admitted but not yet served "
+                            "(reading the body or waiting for a slot)", registry=r)
+        self.rejected = Counter("pdserve_frontend_rejected_requests", "Requests refused by admission "
+                                "(overloaded: 429; queue_timeout: 504)", ["reason"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -20,6 +20,14 @@ class FrontendSettings:
     max_body_bytes: int = 4 * 1024 * 1024
     graceful_timeout_s: float = 30.0
     drain_settle_s: float = 0.0
+    # Admission (serve.frontend.admission): served at once, waiting for a slot, how long to wait.
+    max_active_requests: int = 512
+    max_queued_requests: int = 512
+    queue_timeout_s: float = 60.0
+    # Access (serve.auth): client API keys, the cluster token, paths open without either.
+    api_keys: list[str] = field(default_factory=list)
+    cluster_token: str | None = None
+    auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/live", "/metrics"])
     # Disaggregated serving (used when prefill workers are registered).
     router_mode: str = "kv"
     kv_overlap_score_weight: float = 1.0

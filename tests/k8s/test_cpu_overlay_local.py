@@ -5,7 +5,8 @@ an in-flight stream finish while the worker leaves rotation.
 
 What changes between a pod and this machine, and nothing else:
 - addresses: the pod IP is 127.0.0.1 and `0.0.0.0` binds become 127.0.0.1 (loopback only);
-- ports: every container port gets a free local port (pods each have their own IP);
+- ports: every container port gets a free local port (pods each have their own IP; the KV
+  side channel and KV events ports are picked by the worker itself);
 - the discovery Service name becomes `localhost` (still resolved through DNS, dns+http);
 - the PVC mount /models becomes a temporary directory;
 - each worker is pinned to its own core (the pods' Guaranteed CPUs).
@@ -33,6 +34,13 @@ from tests.workerclient import metric, metrics, wait_for
 pytestmark = pytest.mark.engine
 
 PORT_FLAGS = ("--port", "--kv-side-channel-port", "--kv-events-port")
+# Ports the worker binds itself late (its engine binds them after loading): 0 lets it pick a
+# free one then, instead of one chosen here that another engine may take meanwhile.
+LATE_BOUND = ("--kv-side-channel-port", "--kv-events-port")
+# What `kubectl create secret` would hold (see the manifests' comments).
+SECRETS = {("pdserve-cluster-token", "token"): uuid.uuid4().hex, ("pdserve-api-keys", "keys"): "sk-" + uuid.uuid4().hex}
+TOKEN = {"x-pdserve-token": SECRETS[("pdserve-cluster-token", "token")]}
+KEY = {"authorization": "Bearer " + SECRETS[("pdserve-api-keys", "keys")]}
 
 
 class Pod:
@@ -52,7 +60,10 @@ class Pod:
         raw = env_of(c, docs)
         env: dict[str, str] = {}
         for k, v in raw.items():
-            if isinstance(v, dict):  # downward API
+            if isinstance(v, dict) and "secretKeyRef" in v:
+                ref = v["secretKeyRef"]
+                v = SECRETS[(ref["name"], ref["key"])]
+            elif isinstance(v, dict):  # downward API
                 v = {"metadata.uid": str(uuid.uuid4()), "status.podIP": "127.0.0.1"}[v["fieldRef"]["fieldPath"]]
             env[k] = expand(str(v), env)
         for k, v in env.items():
@@ -74,7 +85,9 @@ class Pod:
         out = []
         args = [expand(a, self.env) for a in c["args"]]
         for i, a in enumerate(args):
-            if i and args[i - 1] in PORT_FLAGS:
+            if i and args[i - 1] in LATE_BOUND:
+                a = "0"
+            elif i and args[i - 1] in PORT_FLAGS:
                 port = self.ports.setdefault(int(a), free_port())
                 a = str(port)
             elif a == "0.0.0.0":
@@ -155,19 +168,25 @@ def test_cpu_overlay_commands_serve_a_chat_request_and_drain(tmp_path):
         for w in (prefill, decode):
             w.proc.wait_http(w.probe("readinessProbe"), 420)
         # Both registered through DNS discovery, under their pod identity.
-        wait_for(lambda: ok(fe.probe("readinessProbe")) and len(httpx.get(f"{fe.url}/internal/workers").json()
+        wait_for(lambda: ok(fe.probe("readinessProbe")) and len(httpx.get(f"{fe.url}/internal/workers", headers=TOKEN).json()
                                                                  ["workers"]) == 2, 60, "both workers registered")
-        ids = {w["worker_id"] for w in httpx.get(f"{fe.url}/internal/workers").json()["workers"]}
+        ids = {w["worker_id"] for w in httpx.get(f"{fe.url}/internal/workers", headers=TOKEN).json()["workers"]}
         assert {i.split("-", 1)[0] for i in ids} == {"prefill", "decode"}
         assert ids == {prefill.env["PDSERVE_WORKER_ID"], decode.env["PDSERVE_WORKER_ID"]}
 
         body = {"model": "smollm2-135m-instruct", "temperature": 0, "max_tokens": 20,
                 "messages": [{"role": "user", "content": "What is the capital of France?"}]}
-        resp = httpx.post(f"{fe.url}/v1/chat/completions", json=body, timeout=120)
+        # The API key from the Secret guards the OpenAI endpoints; the cluster token is no key.
+        for bad in ({}, TOKEN, {"authorization": "Bearer wrong"}):
+            r = httpx.post(f"{fe.url}/v1/chat/completions", json=body, headers=bad, timeout=10)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert httpx.get(f"{decode.url}/load", timeout=10).status_code == 401  # worker endpoints need the token
+        resp = httpx.post(f"{fe.url}/v1/chat/completions", json=body, headers=KEY, timeout=120)
         assert resp.status_code == 200, resp.text
         assert "Paris" in resp.json()["choices"][0]["message"]["content"]
         assert metric(metrics(fe.url), "pdserve_frontend_request_paths_total", path="disagg") >= 1
         assert metric(metrics(decode.url), "pdserve_kv_reads_total") >= 1  # KV came from the prefill pod
+        # (the KV side channel checked the cluster token's HMAC of the decode engine's id)
 
         # preStop on the decode worker while a stream is in flight: it leaves rotation, the
         # stream finishes, then the hook returns.
@@ -175,7 +194,7 @@ def test_cpu_overlay_commands_serve_a_chat_request_and_drain(tmp_path):
         started = threading.Event()
 
         def stream() -> None:
-            with httpx.stream("POST", f"{fe.url}/v1/chat/completions", timeout=120,
+            with httpx.stream("POST", f"{fe.url}/v1/chat/completions", timeout=120, headers=KEY,
                               json={**body, "stream": True, "max_tokens": 48, "ignore_eos": True}) as s:
                 for line in s.iter_lines():
                     if line.startswith("data: "):
@@ -194,7 +213,7 @@ def test_cpu_overlay_commands_serve_a_chat_request_and_drain(tmp_path):
         assert sum(1 for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")) >= 40
         assert time.monotonic() - t0 < 60
         assert not ok(decode.probe("readinessProbe"))  # draining: out of the Service too
-        roles = [w["role"] for w in httpx.get(f"{fe.url}/internal/workers").json()["workers"]]
+        roles = [w["role"] for w in httpx.get(f"{fe.url}/internal/workers", headers=TOKEN).json()["workers"]]
         assert roles == ["prefill"]  # deregistered, not waiting for a lease to run out
 
         # preStop on the frontend: out of readiness at once, then idle after its settle time.

@@ -157,6 +157,7 @@ def test_worker_identity_discovery_and_expanded_args(overlay):
         assert env["POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
         assert "$(POD_UID)" in env["PDSERVE_WORKER_ID"] and env["PDSERVE_ADVERTISE_HOST"] == "$(POD_IP)"
         assert env["PDSERVE_FRONTEND"].startswith("dns+http://pdserve-frontend-discovery:")
+        assert env["PDSERVE_CLUSTER_TOKEN"] == {"secretKeyRef": {"name": "pdserve-cluster-token", "key": "token"}}
         assert "--trust-remote-code" not in c["args"]  # the shipped models need no custom code
         for arg in c["args"] + [str(v) for v in env.values() if isinstance(v, str)]:
             for var in VAR.findall(arg):
@@ -165,6 +166,17 @@ def test_worker_identity_discovery_and_expanded_args(overlay):
         assert ann["prometheus.io/scrape"] == "true" and ann["prometheus.io/path"] == "/metrics"
     pdbs = by_kind(docs, "PodDisruptionBudget")
     assert set(pdbs) == {name for name, _, _ in worker_containers(docs)}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_frontend_takes_its_secrets_from_secrets(overlay):
+    docs = render(overlay)
+    fe = by_kind(docs, "Deployment")["pdserve-frontend"]["spec"]["template"]["spec"]["containers"][0]
+    env = env_of(fe, docs)
+    assert env["PDSERVE_CLUSTER_TOKEN"] == {"secretKeyRef": {"name": "pdserve-cluster-token", "key": "token"}}
+    assert env["PDSERVE_API_KEY"]["secretKeyRef"]["name"] == "pdserve-api-keys"
+    assert "--api-key" not in fe["args"] and "--cluster-token" not in fe["args"]  # never on a command line
+    assert not by_kind(docs, "Secret")  # secrets are made in the cluster, not shipped
 
 
 def test_disagg_overlay_is_the_guides_demo():

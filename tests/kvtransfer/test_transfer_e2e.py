@@ -22,14 +22,15 @@ BLOCK = 128
 LENGTHS = [1, 5, 77, 127, 128, 129, 200, 255, 300, 383, 500, 640, 777, 1000, 1200, 1500, 1777, 1999]
 
 
-def start_worker(role: str, core: int, model_dir: str, extra: list[str]) -> tuple[Proc, str]:
+def start_worker(role: str, core: int, model_dir: str, extra: list[str], wait: bool = True) -> tuple[Proc, str]:
     port = free_port()
     proc = Proc(f"{role}-worker", ["worker", "--role", role, "--port", str(port), "--model", model_dir,
                                    "--served-model-name", MODEL, "--cpu-cores", str(core), "--kv-cache-gib", "1",
                                    "--max-num-seqs", "8", "--max-model-len", "4096",
                                    "--kv-lease-seconds", str(LEASE_S), *extra])
     url = f"http://127.0.0.1:{port}"
-    proc.wait_http(f"{url}/health", 420)
+    if wait:
+        proc.wait_http(f"{url}/health", 420)
     return proc, url
 
 
@@ -38,10 +39,12 @@ def pair(request, model_dir):
     extra = ["--kv-cache-dtype", "fp8"] if request.param == "fp8" else []
     procs = []
     try:
-        p, purl = start_worker("prefill", 0, model_dir, extra)
+        p, purl = start_worker("prefill", 0, model_dir, extra, wait=False)
         procs.append(p)
-        d, durl = start_worker("decode", 1, model_dir, extra)
+        d, durl = start_worker("decode", 1, model_dir, extra, wait=False)
         procs.append(d)
+        for proc, url in ((p, purl), (d, durl)):  # both engines load at once
+            proc.wait_http(f"{url}/health", 420)
         yield request.param, purl, durl, d
     finally:
         for proc in procs:

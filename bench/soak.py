@@ -1,0 +1,270 @@
+"""Soak: `pdserve bench soak` runs a disaggregated stack (1 prefill + 1 decode by default)
+under mixed load with aborts for `--duration` seconds, then checks that nothing leaked.
+
+Load: `--concurrency` clients in a closed loop. Each request is one of
+- a streaming chat read to the end (varied prompt and output lengths, some sharing a prefix),
+- a non-streaming chat,
+- a streaming chat the client abandons mid-stream, or before its first token.
+
+Every 10 s it samples the RSS of every process of the stack (frontend, workers, engine
+cores) and each worker's active and held KV blocks. At the end it waits for the stack to go
+idle and reports (`<out>/soak.json`, and a table):
+- accepted requests that failed (any HTTP error or error event on a request the client did
+  not abandon): must be 0;
+- RSS per process: first sample after warm-up, last sample, and the growth between them;
+- KV blocks active and held once idle: must be 0 (no leak).
+
+Exit status 0 when there are no failures and no leaked blocks, else 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from bench.procs import free_port, stop_group, wait_ready
+
+MODEL = "smollm2-135m-instruct"
+SAMPLE_S = 10.0
+WARMUP_S = 60.0
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
+         "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def add_parser(bsub: argparse._SubParsersAction) -> None:
+    s = bsub.add_parser("soak", help="long mixed load with aborts on a disaggregated stack: failures, RSS, KV leaks",
+                        description=__doc__.split("\n\n")[0] if __doc__ else None)
+    s.add_argument("--duration", type=float, default=600.0, help="seconds of load (default: 600)")
+    s.add_argument("--concurrency", type=int, default=6, help="clients in the closed loop (default: 6)")
+    s.add_argument("--prefill", type=int, default=1, help="prefill workers (default: 1)")
+    s.add_argument("--decode", type=int, default=1, help="decode workers (default: 1)")
+    s.add_argument("--abort-fraction", type=float, default=0.3,
+                   help="share of requests the client abandons, half before the first token (default: 0.3)")
+    s.add_argument("--kv-lease-seconds", type=float, default=10.0, help="prefill workers' KV lease (default: 10)")
+    s.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    s.add_argument("--out", default="artifacts/soak", help="output folder (default: artifacts/soak)")
+
+
+@dataclass
+class Tally:
+    by_kind: dict[str, int] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+    completed_tokens: int = 0
+
+    def count(self, kind: str) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+
+
+def _prompt(rng: random.Random) -> list[dict]:
+    n = rng.choice((8, 40, 200, 600))
+    prefix = "You are a helpful assistant. " * 20 if rng.random() < 0.4 else ""
+    return [{"role": "user", "content": prefix + " ".join(rng.choice(WORDS) for _ in range(n))}]
+
+
+async def _one(client: httpx.AsyncClient, url: str, rng: random.Random, abort_fraction: float, t: Tally) -> None:
+    r = rng.random()
+    body = {"model": MODEL, "messages": _prompt(rng), "max_tokens": rng.choice((8, 32, 96)), "temperature": 0.7,
+            "seed": rng.randrange(1 << 30)}
+    if r < abort_fraction:
+        kind = "abort_before_first_token" if r < abort_fraction / 2 else "abort_mid_stream"
+        t.count(kind)
+        try:
+            async with client.stream("POST", f"{url}/v1/chat/completions",
+                                     json={**body, "stream": True, "ignore_eos": True, "max_tokens": 200}) as resp:
+                if kind == "abort_mid_stream":
+                    n = 0
+                    async for line in resp.aiter_lines():
+                        n += line.startswith("data: ")
+                        if n >= 4:
+                            break
+        except httpx.HTTPError as exc:
+            t.failures.append(f"{kind}: {exc!r}")
+        return
+    if r < abort_fraction + (1 - abort_fraction) / 3:
+        t.count("unary")
+        try:
+            resp = await client.post(f"{url}/v1/chat/completions", json=body)
+            if resp.status_code != 200:
+                t.failures.append(f"unary: HTTP {resp.status_code}: {resp.text[:200]}")
+            else:
+                t.completed_tokens += resp.json()["usage"]["completion_tokens"]
+        except httpx.HTTPError as exc:
+            t.failures.append(f"unary: {exc!r}")
+        return
+    t.count("stream")
+    try:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}) as resp:
+            if resp.status_code != 200:
+                t.failures.append(f"stream: HTTP {resp.status_code}")
+                return
+            last = ""
+            async for line in resp.aiter_lines():
+                if line.startswith("data: "):
+                    last = line
+                    if '"error"' in line:
+                        t.failures.append(f"stream: {line[:200]}")
+                    elif line != "data: [DONE]":
+                        t.completed_tokens += 1 if '"content"' in line else 0
+            if last != "data: [DONE]":
+                t.failures.append("stream: ended without [DONE]")
+    except httpx.HTTPError as exc:
+        t.failures.append(f"stream: {exc!r}")
+
+
+def _tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(d))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def _rss_mib(pid: int) -> tuple[str, float] | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+    if "serve.cli" in cmd:
+        parts = cmd.split()
+        name = parts[parts.index("serve.cli") + 1]
+        if "--role" in parts:
+            name = f"{parts[parts.index('--role') + 1]}@{parts[parts.index('--port') + 1]}"
+    elif cmd.startswith("VLLM") or "EngineCore" in cmd:
+        name = "engine-core"
+    else:
+        return None
+    return f"{name}[{pid}]", rss / 1024
+
+
+def _sample(root: int, workers: list[str], headers: dict[str, str]) -> dict:
+    rss = dict(filter(None, (_rss_mib(p) for p in _tree(root))))
+    blocks = {}
+    for w in workers:
+        try:
+            load = httpx.get(f"{w}/load", timeout=5, headers=headers).json()
+            held = sum(float(line.split()[-1]) for line in httpx.get(f"{w}/metrics", timeout=5).text.splitlines()
+                       if line.startswith("pdserve_kv_held_blocks "))
+            blocks[w] = {"active": load["active_blocks"], "held": held, "active_requests": load["active_requests"]}
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            blocks[w] = {"error": repr(exc)}
+    return {"t": time.monotonic(), "rss_mib": rss, "blocks": blocks}
+
+
+async def _load(url: str, args: argparse.Namespace, tally: Tally, stop_at: float) -> None:
+    async def client_loop(k: int) -> None:
+        rng = random.Random(args.seed * 1000 + k)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120.0, connect=10.0)) as client:
+            while time.monotonic() < stop_at:
+                await _one(client, url, rng, args.abort_fraction, tally)
+
+    await asyncio.gather(*(client_loop(k) for k in range(args.concurrency)))
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    port, base = free_port(), free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "serve.cli", "up", "--mode", "disagg", "--prefill", str(args.prefill),
+           "--decode", str(args.decode), "--port", str(port), "--worker-base-port", str(base),
+           "--kv-lease-seconds", str(args.kv_lease_seconds), "--ready-timeout", "600"]
+    log = open(out / "stack.log", "wb")
+    token = secrets.token_hex(16)  # the stack's cluster token: the soak reads the workers' /load with it
+    env = {**{k: v for k, v in os.environ.items() if k != "PDSERVE_API_KEY"}, "PDSERVE_CLUSTER_TOKEN": token}
+    headers = {"x-pdserve-token": token}
+    stack = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    try:
+        wait_ready(f"{url}/health", [stack], timeout=600)
+        workers = [f"http://127.0.0.1:{base + i}" for i in range(args.prefill + args.decode)]
+        samples = [_sample(stack.pid, workers, headers)]
+        tally = Tally()
+        t0 = time.monotonic()
+        stop_at = t0 + args.duration
+
+        async def main() -> None:
+            load = asyncio.create_task(_load(url, args, tally, stop_at))
+            while not load.done():
+                await asyncio.sleep(SAMPLE_S)
+                samples.append(await asyncio.to_thread(_sample, stack.pid, workers, headers))
+                done = sum(tally.by_kind.values())
+                print(f"soak: {time.monotonic() - t0:6.0f} s, {done} requests, {len(tally.failures)} failures",
+                      flush=True)
+            await load
+
+        asyncio.run(main())
+        # Idle: every block back (held ones by release or lease).
+        deadline = time.monotonic() + args.kv_lease_seconds + 60
+        final = _sample(stack.pid, workers, headers)
+        while time.monotonic() < deadline and any(
+                b.get("active", 1) or b.get("held", 1) for b in final["blocks"].values()):
+            time.sleep(1)
+            final = _sample(stack.pid, workers, headers)
+        samples.append(final)
+        report = _report(args, tally, samples, t0)
+    finally:
+        stop_group([stack], grace_s=60)
+        log.close()
+    (out / "soak.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(_table(report))
+    print(f"wrote {out / 'soak.json'}")
+    return 0 if report["ok"] else 1
+
+
+def _report(args: argparse.Namespace, tally: Tally, samples: list[dict], t0: float) -> dict:
+    warm = next((s for s in samples if s["t"] - t0 >= WARMUP_S), samples[0])
+    last_loaded = samples[-2] if len(samples) > 1 else samples[-1]
+    rss = {}
+    for name, first in warm["rss_mib"].items():
+        end = last_loaded["rss_mib"].get(name)
+        if end is not None:
+            peak = max(s["rss_mib"].get(name, 0) for s in samples)
+            rss[name] = {"after_warmup_mib": round(first, 1), "end_mib": round(end, 1), "peak_mib": round(peak, 1),
+                         "growth_mib": round(end - first, 1), "growth_pct": round(100 * (end - first) / first, 2)}
+    final = samples[-1]["blocks"]
+    leaked = {w: b for w, b in final.items() if b.get("active") or b.get("held") or "error" in b}
+    accepted = sum(v for k, v in tally.by_kind.items() if not k.startswith("abort"))
+    return {
+        "duration_s": args.duration, "concurrency": args.concurrency, "prefill": args.prefill, "decode": args.decode,
+        "abort_fraction": args.abort_fraction, "requests": tally.by_kind, "accepted_requests": accepted,
+        "failed_accepted_requests": len([f for f in tally.failures if not f.startswith("abort")]),
+        "failures": tally.failures[:50], "completed_tokens": tally.completed_tokens, "rss": rss,
+        "final_blocks": final, "leaked_blocks": leaked, "samples": len(samples),
+        "ok": not tally.failures and not leaked,
+    }
+
+
+def _table(r: dict) -> str:
+    lines = [f"soak: {r['duration_s']:.0f} s, {r['prefill']}P+{r['decode']}D, concurrency {r['concurrency']}",
+             f"requests: {r['requests']} (accepted {r['accepted_requests']}, failed {r['failed_accepted_requests']}, "
+             f"all failures {len(r['failures'])})",
+             f"{'process':34} {'after warm-up':>14} {'end':>9} {'peak':>9} {'growth':>14}"]
+    for name, v in sorted(r["rss"].items()):
+        lines.append(f"{name:34} {v['after_warmup_mib']:>10.1f} MiB {v['end_mib']:>5.1f} MiB {v['peak_mib']:>5.1f} MiB "
+                     f"{v['growth_mib']:>+7.1f} MiB ({v['growth_pct']:+.1f}%)")
+    lines.append(f"KV blocks once idle: {r['final_blocks']}  leaked: {r['leaked_blocks'] or 'none'}")
+    lines.append("OK" if r["ok"] else "FAILED")
+    return "\n".join(lines)

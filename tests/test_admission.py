@@ -1,0 +1,178 @@
+"""Bounded admission in the frontend: unit behaviour, then a real frontend under a flood."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from serve.frontend.admission import Admission, Overloaded
+from tests.conftest import MODEL, Proc, free_port
+
+
+def test_admission_bounds_active_and_queued_and_hands_slots_over_in_order():
+    async def go():
+        a = Admission(max_active=1, max_queued=2)
+        t1, t2, t3 = a.enter(), a.enter(), a.enter()
+        with pytest.raises(Overloaded):
+            a.enter()
+        far = time.monotonic() + 10
+        await t1.wait(far)
+        order: list[int] = []
+
+        async def serve(t, n):
+            await t.wait(far)
+            order.append(n)
+            await asyncio.sleep(0.01)
+            t.release()
+
+        tasks = [asyncio.create_task(serve(t2, 2)), asyncio.create_task(serve(t3, 3))]
+        await asyncio.sleep(0.05)
+        assert (a.active, a.queued, order) == (1, 2, [])
+        t1.release()
+        await asyncio.gather(*tasks)
+        assert order == [2, 3] and (a.active, a.queued) == (0, 0)
+        t1.release()  # idempotent
+        assert (a.active, a.queued) == (0, 0)
+
+    asyncio.run(go())
+
+
+def test_queued_request_times_out_and_gives_its_place_back():
+    async def go():
+        a = Admission(max_active=1, max_queued=1)
+        busy = a.enter()
+        await busy.wait(time.monotonic() + 1)
+        waiting = a.enter()
+        with pytest.raises(TimeoutError):
+            await waiting.wait(time.monotonic() + 0.05)
+        waiting.release()
+        assert (a.active, a.queued) == (1, 0)
+        again = a.enter()  # there is room again
+        busy.release()
+        await again.wait(time.monotonic() + 1)
+        again.release()
+        assert (a.active, a.queued) == (0, 0)
+
+    asyncio.run(go())
+
+
+def test_cancelled_waiter_does_not_leak_a_slot():
+    async def go():
+        a = Admission(max_active=1, max_queued=1)
+        busy = a.enter()
+        await busy.wait(time.monotonic() + 1)
+        waiting = a.enter()
+        task = asyncio.create_task(waiting.wait(time.monotonic() + 10))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        waiting.release()
+        busy.release()
+        assert (a.active, a.queued) == (0, 0)
+
+    asyncio.run(go())
+
+
+@pytest.mark.engine
+def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(agg_worker, model_dir):
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = Proc("frontend-admission", ["frontend", "--port", str(port), "--model", model_dir,
+                                       "--served-model-name", MODEL, "--worker", agg_worker,
+                                       "--max-concurrent-requests", "1", "--max-queued-requests", "1",
+                                       "--queue-timeout", "120"])
+    try:
+        proc.wait_http(f"{url}/health", 120)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a story."}],
+                "ignore_eos": True, "temperature": 0}
+        results: list[httpx.Response] = []
+        lock = threading.Lock()
+
+        def one(max_tokens: int = 16):
+            r = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": max_tokens}, timeout=120)
+            with lock:
+                results.append(r)
+
+        first = threading.Thread(target=one, args=(256,))  # holds the only slot for seconds
+        first.start()
+        # Wait until the first request holds the only slot, then send a flood of ten.
+        deadline = time.monotonic() + 30
+        while "pdserve_frontend_inflight_requests 1.0" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        flood = [threading.Thread(target=one) for _ in range(10)]
+        for t in flood:
+            t.start()
+        for t in [first, *flood]:
+            t.join(120)
+        codes = sorted(r.status_code for r in results)
+        assert codes == [200, 200] + [429] * 9, codes
+        for r in results:
+            if r.status_code == 429:
+                err = r.json()["error"]
+                assert err["code"] == "server_overloaded" and int(r.headers["retry-after"]) > 0
+            else:
+                assert r.json()["usage"]["completion_tokens"] in (16, 256)
+        m = httpx.get(f"{url}/metrics").text
+        assert 'pdserve_frontend_rejected_requests_total{reason="overloaded"} 9.0' in m
+        assert "pdserve_frontend_queued_requests 0.0" in m
+
+        # A refused request is answered before its body is read: it costs no buffer.
+        hold = threading.Thread(target=one, args=(256,))
+        hold.start()
+        deadline = time.monotonic() + 30
+        while "pdserve_frontend_inflight_requests 1.0" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        queued = threading.Thread(target=one)
+        queued.start()
+        while "pdserve_frontend_queued_requests 1.0" not in httpx.get(f"{url}/metrics").text:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 4000000\r\n\r\n{")  # 4 MB announced, 1 byte sent
+            reply = s.recv(65536)
+        assert reply.startswith(b"HTTP/1.1 429"), reply[:200]
+        for t in (hold, queued):
+            t.join(120)
+
+        # SIGTERM with a stream in flight: new connections are refused, the stream finishes,
+        # the process exits within its graceful timeout.
+        lines: list[str] = []
+        started = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
+                              json={**body, "max_tokens": 96, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line[6:])
+                        started.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert started.wait(60)
+        t0 = time.monotonic()
+        proc.popen.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while True:  # the listener closes at once
+            try:
+                httpx.get(f"{url}/v1/models", timeout=2)
+            except httpx.ConnectError:
+                break
+            assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
+            time.sleep(0.1)
+        t.join(60)
+        assert lines[-1] == "[DONE]" and not any('"error"' in x for x in lines)
+        proc.popen.wait(timeout=40)
+        assert time.monotonic() - t0 < 40
+    finally:
+        proc.stop()

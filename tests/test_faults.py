@@ -1,0 +1,318 @@
+"""Faults in disaggregated serving, with real processes: 1 prefill + 1 decode worker, and a
+second decode worker for the test that kills one.
+
+- a prefill worker SIGKILLed during prefill, and during a transfer (held by the test-only
+  pause hook): the request completes by fallback with the right answer; the worker leaves
+  rotation;
+- a decode worker SIGKILLed mid-stream: its client gets an error event and [DONE], a stream
+  on the other decode worker is untouched, and the prefill worker's blocks held for the dead
+  one are freed by their lease;
+- a decode that comes after the lease expired recomputes locally and answers correctly;
+- clients that disconnect mid-stream or before the first token, 500 times: every engine
+  aborts, and free KV blocks return to where they started;
+- SIGTERM on a worker mid-stream: the stream finishes, the worker deregisters and exits.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, Proc, free_port
+from tests.workerclient import metric, metrics, wait_for
+
+pytestmark = pytest.mark.engine
+
+LEASE_S = 4.0
+CLIENTS = 16  # concurrent clients in the disconnect test
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# ~2500 prompt tokens: a prefill long enough (about a second here) to kill the worker inside it.
+LONG = [{"role": "user", "content": " ".join(f"item{i % 50} is number {i}." for i in range(400))
+         + " What is the capital of France?"}]
+
+
+def record(fault: str, **values: float) -> None:
+    """Recovery times for the closing note's table (measured, never asserted)."""
+    path = LOG_DIR / "faults-timings.json"
+    data = json.loads(path.read_text()) if path.exists() else {}
+    data[fault] = {k: round(v, 2) for k, v in values.items()}
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))
+
+
+class Cluster:
+    def __init__(self, model_dir: str, tmp: Path) -> None:
+        self.model_dir = model_dir
+        self.tmp = tmp
+        self.procs: dict[str, Proc] = {}
+        self.urls: dict[str, str] = {}
+        port = free_port()
+        self.frontend = f"http://127.0.0.1:{port}"
+        self.procs["frontend"] = Proc("faults-frontend", [
+            "frontend", "--port", str(port), "--model", model_dir, "--served-model-name", MODEL,
+            "--prefill-timeout", "30", "--request-timeout", "120"])
+
+    def pause_file(self, name: str) -> Path:
+        return self.tmp / f"pause-{name}"
+
+    def start(self, name: str, role: str, core: int, port: int | None = None) -> None:
+        port = port or free_port()
+        self.urls[name] = f"http://127.0.0.1:{port}"
+        self.procs[name] = Proc(f"faults-{name}", [
+            "worker", "--role", role, "--port", str(port), "--model", self.model_dir, "--served-model-name", MODEL,
+            "--cpu-cores", str(core), "--kv-cache-gib", "1", "--max-num-seqs", "8", "--max-model-len", "4096",
+            "--lease-seconds", "2", "--kv-lease-seconds", str(LEASE_S), "--frontend", self.frontend],
+            env={"PDSERVE_KV_FAULT_PAUSE_FILE": str(self.pause_file(name))})
+
+    def wait_ready(self, *names: str) -> None:
+        for n in names:
+            self.procs[n].wait_http(f"{self.urls[n]}/health", ENGINE_READY_TIMEOUT_S)
+        wait_for(lambda: set(self.in_rotation()) >= {self.urls[n] for n in names}, 30, f"{names} in rotation")
+
+    def in_rotation(self) -> list[str]:
+        return [w["url"] for w in httpx.get(f"{self.frontend}/internal/workers").json()["workers"] if w["in_rotation"]]
+
+    def decoders(self) -> list[str]:
+        """The decode workers still running."""
+        return [n for n in ("decode1", "decode2") if n in self.procs and self.procs[n].popen.poll() is None]
+
+    def kill(self, name: str) -> None:
+        self.procs[name].stop(sig=signal.SIGKILL)
+
+    def free_blocks(self) -> dict[str, tuple[int, int]]:
+        """worker -> (active KV blocks, blocks held for remote decodes)."""
+        out = {}
+        for n, url in self.urls.items():
+            if self.procs[n].popen.poll() is None:
+                load = httpx.get(f"{url}/load", timeout=10).json()
+                out[n] = (load["active_blocks"], metric(metrics(url), "pdserve_kv_held_blocks"))
+        return out
+
+
+@pytest.fixture(scope="module")
+def cluster(model_dir, tmp_path_factory):
+    c = Cluster(model_dir, tmp_path_factory.mktemp("faults"))
+    try:
+        wait_for(lambda: _up(c.frontend), 60, "frontend up")
+        # Two engines, one core each; the second decode worker joins for the test that kills one.
+        c.start("prefill", "prefill", 0)
+        c.start("decode1", "decode", 1)
+        c.wait_ready("prefill", "decode1")
+        yield c
+    finally:
+        for p in reversed(list(c.procs.values())):
+            p.stop()
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def chat(c: Cluster, messages, max_tokens: int = 24) -> str:
+    r = httpx.post(f"{c.frontend}/v1/chat/completions", timeout=120, json={
+        "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": max_tokens})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def stream_events(c: Cluster, messages, max_tokens: int, out: list, started: threading.Event | None = None) -> None:
+    with httpx.stream("POST", f"{c.frontend}/v1/chat/completions", timeout=120, json={
+            "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                out.append(line[6:])
+                if started is not None and len(out) >= 2:
+                    started.set()
+
+
+def fallbacks(c: Cluster) -> float:
+    return sum(v for (n, _), v in metrics(c.frontend).items() if n == "pdserve_frontend_prefill_fallbacks_total")
+
+
+def test_reference_answers(cluster):
+    cluster.reference = {"q": chat(cluster, QUESTION), "long": chat(cluster, LONG)}
+    assert "Paris" in cluster.reference["q"]
+    assert fallbacks(cluster) == 0
+
+
+def test_decode_after_lease_expiry_recomputes_the_right_answer(cluster):
+    for name in cluster.decoders():
+        cluster.pause_file(name).write_text(str(LEASE_S + 2))
+    p = cluster.urls["prefill"]
+    expired = metric(metrics(p), "pdserve_kv_lease_expiries_total")
+    rec = sum(metric(metrics(cluster.urls[n]), "pdserve_kv_recomputes_total") for n in cluster.decoders())
+    t0 = time.monotonic()
+    try:
+        text = chat(cluster, QUESTION)
+        record("decode after lease expiry", answer_s=time.monotonic() - t0, lease_s=LEASE_S)
+    finally:
+        for name in cluster.decoders():
+            cluster.pause_file(name).unlink()
+    assert text == cluster.reference["q"]  # never stale or freed memory
+    assert metric(metrics(p), "pdserve_kv_lease_expiries_total") == expired + 1
+    assert sum(metric(metrics(cluster.urls[n]), "pdserve_kv_recomputes_total") for n in cluster.decoders()) == rec + 1
+    assert metric(metrics(p), "pdserve_kv_held_blocks") == 0
+
+
+def test_clients_that_disconnect_leave_no_blocks_behind(cluster):
+    baseline = cluster.free_blocks()
+    roles = (("prefill", "prefill"), ("decode1", "decode"))
+    aborted0 = {n: metric(metrics(cluster.urls[n]), "pdserve_worker_requests_total", role=r, outcome="aborted")
+                for n, r in roles}
+    body = {"model": MODEL, "temperature": 0, "max_tokens": 64, "ignore_eos": True, "stream": True}
+    errors: list[str] = []
+
+    def one(i: int, client: httpx.Client) -> None:
+        messages = [{"role": "user", "content": f"Request {i}: tell me a story about the number {i}."}]
+        try:
+            with client.stream("POST", f"{cluster.frontend}/v1/chat/completions", json={**body, "messages": messages},
+                               timeout=60) as r:
+                # Half before the first token (headers only); 3 in 10 after the first token (the
+                # prefill's), while the decode worker loads the KV; 2 in 10 mid-decode.
+                wanted = (0, 0, 0, 0, 0, 2, 2, 2, 4, 4)[i % 10]
+                seen = 0
+                for line in r.iter_lines():
+                    if seen >= wanted:
+                        break
+                    seen += line.startswith("data: ")
+        except httpx.HTTPError as exc:
+            errors.append(repr(exc))
+
+    def worker(k: int) -> None:
+        with httpx.Client() as client:
+            for i in range(k, 500, CLIENTS):
+                one(i, client)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    assert not errors, errors[:3]
+    # Every engine saw aborts, and everything drains back to the baseline.
+    t_end = time.monotonic()
+    wait_for(lambda: cluster.free_blocks() == baseline, 60, f"KV blocks back to {baseline}", interval=0.5)
+    record("500 client disconnects", blocks_back_to_baseline_s=time.monotonic() - t_end)
+    assert all(v == (0, 0) for v in baseline.values()), baseline
+    for n, role in roles:
+        m = metrics(cluster.urls[n])
+        assert metric(m, "pdserve_worker_active_requests", role=role) == 0
+        assert metric(m, "pdserve_worker_requests_total", role=role, outcome="aborted") > aborted0[n], n
+    assert chat(cluster, QUESTION) == cluster.reference["q"]
+
+
+def decode_busy(c: Cluster, name: str) -> float:
+    return metric(metrics(c.urls[name]), "pdserve_worker_active_requests", role="decode")
+
+
+def test_decode_killed_mid_stream_errors_its_client_only_and_the_lease_frees_its_blocks(cluster):
+    cluster.start("decode2", "decode", 0)
+    cluster.wait_ready("decode2")
+    p = cluster.urls["prefill"]
+    expired = metric(metrics(p), "pdserve_kv_lease_expiries_total")
+    survivor: list[str] = []
+    started = threading.Event()
+    t_ok = threading.Thread(target=stream_events, args=(cluster, QUESTION, 64, survivor, started))
+    t_ok.start()
+    # Which decode worker took the first stream? The other one (least loaded) takes the next.
+    keeper = wait_for(lambda: next((n for n in ("decode1", "decode2") if decode_busy(cluster, n) >= 1), None), 60,
+                      "the first stream on a decode worker", interval=0.05)
+    victim_worker = "decode2" if keeper == "decode1" else "decode1"
+    cluster.pause_file(victim_worker).write_text("30")  # held before its READ: the prefill worker holds blocks for it
+    victim: list[str] = []
+    t_bad = threading.Thread(target=stream_events, args=(cluster, LONG, 48, victim))
+    t_bad.start()
+    try:
+        wait_for(lambda: metric(metrics(p), "pdserve_kv_held_blocks") > 0 and decode_busy(cluster, victim_worker) >= 1,
+                 60, f"prefill holding blocks for {victim_worker}", interval=0.05)
+        t_kill = time.monotonic()
+        cluster.kill(victim_worker)
+    finally:
+        cluster.pause_file(victim_worker).unlink()
+    t_bad.join(120)
+    error_after = time.monotonic() - t_kill
+    t_ok.join(120)
+    assert victim[-1] == "[DONE]" and "error" in json.loads(victim[-2]), victim[-3:]
+    assert survivor[-1] == "[DONE]" and not any('"error"' in x for x in survivor)
+    assert json.loads(survivor[-2])["usage"]["completion_tokens"] == 64  # the whole answer
+    # The blocks held for the dead reader go back when the lease ends.
+    wait_for(lambda: metric(metrics(p), "pdserve_kv_held_blocks") == 0, LEASE_S + 20, "held blocks freed by lease")
+    record("decode killed mid-stream", error_event_after_kill_s=error_after, held_blocks_freed_s=time.monotonic() - t_kill)
+    assert metric(metrics(p), "pdserve_kv_lease_expiries_total") == expired + 1
+    wait_for(lambda: cluster.urls[victim_worker] not in cluster.in_rotation(), 30, "dead decode worker out of rotation")
+    cluster.decode_left = keeper
+    assert chat(cluster, QUESTION) == cluster.reference["q"]
+
+
+def test_prefill_killed_during_transfer_recomputes_with_the_same_answer(cluster):
+    for name in cluster.decoders():
+        cluster.pause_file(name).write_text("3")
+    try:
+        rec = {n: metric(metrics(cluster.urls[n]), "pdserve_kv_recomputes_total") for n in cluster.decoders()}
+        result: list[str] = []
+        t = threading.Thread(target=lambda: result.append(chat(cluster, QUESTION)))
+        t.start()
+        # The prefill is done and its blocks are held; the decode worker is paused before its READ.
+        wait_for(lambda: metric(metrics(cluster.urls["prefill"]), "pdserve_kv_held_blocks") > 0
+                 and any(decode_busy(cluster, n) for n in cluster.decoders()), 30,
+                 "blocks held, and the decode worker has the request", interval=0.05)
+        t_kill = time.monotonic()
+        cluster.kill("prefill")
+    finally:
+        for name in cluster.decoders():
+            cluster.pause_file(name).unlink()
+    t.join(120)
+    record("prefill killed during transfer", answer_after_kill_s=time.monotonic() - t_kill)
+    assert result == [cluster.reference["q"]]
+    after = {n: metric(metrics(cluster.urls[n]), "pdserve_kv_recomputes_total") for n in cluster.decoders()}
+    assert sum(after.values()) == sum(rec.values()) + 1
+    wait_for(lambda: cluster.urls["prefill"] not in cluster.in_rotation(), 30, "dead prefill worker out of rotation")
+    # Restarted on the same port, it comes back (the next test kills it again).
+    cluster.start("prefill", "prefill", 0, port=int(cluster.urls["prefill"].rsplit(":", 1)[1]))
+    cluster.wait_ready("prefill")
+
+
+def test_prefill_killed_during_prefill_falls_back_with_the_same_answer(cluster):
+    before = fallbacks(cluster)
+    result: list[str] = []
+    t = threading.Thread(target=lambda: result.append(chat(cluster, LONG)))
+    t.start()
+    wait_for(lambda: metric(metrics(cluster.urls["prefill"]), "pdserve_worker_active_requests", role="prefill") >= 1,
+             30, "the prefill worker busy with the long prompt", interval=0.02)
+    t_kill = time.monotonic()
+    cluster.kill("prefill")
+    t.join(120)
+    answered = time.monotonic() - t_kill
+    assert result == [cluster.reference["long"]]
+    assert fallbacks(cluster) == before + 1
+    wait_for(lambda: cluster.urls["prefill"] not in cluster.in_rotation(), 30, "dead prefill worker out of rotation")
+    record("prefill killed during prefill", answer_after_kill_s=answered, out_of_rotation_s=time.monotonic() - t_kill)
+    assert chat(cluster, QUESTION) == cluster.reference["q"]  # served meanwhile by local prefill
+
+
+def test_sigterm_on_a_worker_mid_stream_finishes_the_stream(cluster):
+    out: list[str] = []
+    started = threading.Event()
+    t = threading.Thread(target=stream_events, args=(cluster, QUESTION, 64, out, started))
+    t.start()
+    assert started.wait(60)
+    name = cluster.decode_left
+    proc = cluster.procs[name]
+    t0 = time.monotonic()
+    proc.popen.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert out[-1] == "[DONE]" and not any('"error"' in x for x in out)
+    proc.popen.wait(timeout=40)  # --graceful-timeout 30 (default) + engine shutdown
+    assert time.monotonic() - t0 < 40
+    record("SIGTERM on a decode worker mid-stream", exited_after_s=time.monotonic() - t0)
+    wait_for(lambda: cluster.urls[name] not in cluster.in_rotation(), 10, "deregistered")
