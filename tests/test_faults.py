@@ -248,7 +248,7 @@ def test_decode_killed_mid_stream_errors_its_client_only_and_the_lease_frees_its
     # The blocks held for the dead reader go back when the lease ends.
     wait_for(lambda: metric(metrics(p), "pdserve_kv_held_blocks") == 0, LEASE_S + 20, "held blocks freed by lease")
     record("decode killed mid-stream", error_event_after_kill_s=error_after, held_blocks_freed_s=time.monotonic() - t_kill)
-    assert metric(metrics(p), "pdserve_kv_lease_expiries_total") == expired + 1
+    assert metric(metrics(p), "pdserve_kv_lease_expiries_total") >= expired + 1  # freed unread, by the lease
     wait_for(lambda: cluster.urls[victim_worker] not in cluster.in_rotation(), 30, "dead decode worker out of rotation")
     cluster.decode_left = keeper
     assert chat(cluster, QUESTION) == cluster.reference["q"]
