@@ -140,28 +140,49 @@ def _tree(root: int) -> list[int]:
     return out
 
 
-def _rss_mib(pid: int) -> tuple[str, float] | None:
+def _proc(pid: int) -> tuple[str, int, float] | None:
+    """(command line, parent pid, RSS MiB) of a live process."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        with open(f"/proc/{pid}/stat") as f:
+            ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         with open(f"/proc/{pid}/status") as f:
             rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
+    except (OSError, StopIteration, ValueError, IndexError):
         return None
-    if "serve.cli" in cmd:
+    return cmd, ppid, rss / 1024
+
+
+def _names(root: int) -> dict[int, tuple[str, float]]:
+    """pid -> (name, RSS MiB) for the stack's processes: `frontend`, `prefill@PORT`,
+    `decode@PORT`, and their children (vLLM's engine core and its workers) as
+    `<worker>/<process name>[pid]`."""
+    procs = {pid: info for pid in _tree(root) if (info := _proc(pid)) is not None}
+    names: dict[int, str] = {}
+    for pid, (cmd, _, _) in procs.items():
         parts = cmd.split()
-        name = parts[parts.index("serve.cli") + 1]
-        if "--role" in parts:
-            name = f"{parts[parts.index('--role') + 1]}@{parts[parts.index('--port') + 1]}"
-    elif cmd.startswith("VLLM") or "EngineCore" in cmd:
-        name = "engine-core"
-    else:
-        return None
-    return f"{name}[{pid}]", rss / 1024
+        if "serve.cli" in parts:
+            name = parts[parts.index("serve.cli") + 1]
+            if "--role" in parts:
+                name = f"{parts[parts.index('--role') + 1]}@{parts[parts.index('--port') + 1]}"
+            names[pid] = name
+    out = {}
+    for pid, (cmd, ppid, rss) in procs.items():
+        if pid in names:
+            out[pid] = (names[pid], rss)
+            continue
+        owner = ppid
+        while owner in procs and owner not in names:  # nearest pdserve ancestor
+            owner = procs[owner][1]
+        label = cmd.split()[0].rsplit("/", 1)[-1] if cmd.strip() else "?"
+        if label.startswith("VLLM") or "python" in label:
+            out[pid] = (f"{names.get(owner, '?')}/{label}[{pid}]", rss)
+    return out
 
 
 def _sample(root: int, workers: list[str], headers: dict[str, str]) -> dict:
-    rss = dict(filter(None, (_rss_mib(p) for p in _tree(root))))
+    rss = {name: mib for name, mib in _names(root).values()}
     blocks = {}
     for w in workers:
         try:
