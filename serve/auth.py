@@ -18,7 +18,6 @@ from __future__ import annotations
 import hmac
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -29,10 +28,6 @@ DEFAULT_EXEMPT = ("/health", "/live", "/metrics")
 
 Scope = dict[str, Any]
 ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
-
-
-def env_list(name: str) -> list[str]:
-    return [v.strip() for v in os.environ.get(name, "").split(",") if v.strip()]
 
 
 def matches(secret: str | None, offered: str | None) -> bool:

@@ -50,16 +50,20 @@ def cmdline(pid: int) -> str:
         return ""
 
 
-@pytest.mark.parametrize("mode", ["agg", "disagg"])
+# disagg only: `pdserve up` in agg mode (what `make run` does) is started and served by
+# tests/bench/plan/test_cpu_local_launch.py, and disagg exercises every code path of agg's.
+@pytest.mark.parametrize("mode", ["disagg"])
 def test_up_serves_then_sigterm_leaves_no_process(model_dir, mode):
     port, wport = free_port(), free_port()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = open(LOG_DIR / f"up-{mode}-{time.time_ns()}.log", "wb")
     layout = ["--workers", "1"] if mode == "agg" else ["--mode", "disagg", "--prefill", "1", "--decode", "1"]
+    token = f"test-token-{mode}"  # `up` makes one unless given; its processes all use it
     proc = subprocess.Popen(
         [sys.executable, "-m", "serve.cli", "up", "--port", str(port), *layout,
          "--worker-base-port", str(wport), "--model", model_dir, "--served-model-name", MODEL],
-        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "PDSERVE_CLUSTER_TOKEN": token})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 420
@@ -76,7 +80,9 @@ def test_up_serves_then_sigterm_leaves_no_process(model_dir, mode):
             "model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
             "temperature": 0, "max_tokens": 20})
         assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"]
-        roles = sorted(w["role"] for w in httpx.get(f"{url}/internal/workers").json()["workers"])
+        assert httpx.get(f"{url}/internal/workers").status_code == 401  # internal calls need the token
+        roles = sorted(w["role"] for w in httpx.get(f"{url}/internal/workers", headers={"x-pdserve-token": token})
+                       .json()["workers"])
         assert roles == (["agg"] if mode == "agg" else ["decode", "prefill"])
         kids = descendants(proc.pid)
         names = " | ".join(cmdline(k) for k in kids)
