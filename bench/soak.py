@@ -275,6 +275,10 @@ def _report(args: argparse.Namespace, tally: Tally, samples: list[dict], t0: flo
         "failed_accepted_requests": len([f for f in tally.failures if not f.startswith("abort")]),
         "failures": tally.failures[:50], "completed_tokens": tally.completed_tokens, "rss": rss,
         "final_blocks": final, "leaked_blocks": leaked, "samples": len(samples),
+        # per process, one value per sample: a plateau (pages first touched, e.g. the KV cache)
+        # reads differently from a steady climb (a leak)
+        "rss_series_mib": {name: [round(x["rss_mib"].get(name, 0.0), 1) for x in samples] for name in rss},
+        "sample_times_s": [round(x["t"] - t0, 1) for x in samples],
         "ok": not tally.failures and not leaked,
     }
 

@@ -241,7 +241,7 @@ class Worker:
     async def live(self) -> Response:
         """Liveness: the process serves HTTP and its engine has not died. A dead engine core
         (vLLM's EngineDeadError) never comes back: 503 here lets a supervisor restart us."""
-        if self.engine is not None and getattr(self.engine, "errored", False):
+        if self.engine_dead():
             return JSONResponse({"status": "engine dead", "worker_id": self.worker_id}, status_code=503)
         return JSONResponse({"status": "alive", "worker_id": self.worker_id})
 
@@ -376,7 +376,13 @@ class Worker:
             draining=self.draining,
         )
 
+    def engine_dead(self) -> bool:
+        return self.engine is not None and bool(getattr(self.engine, "errored", False))
+
     async def get_load(self) -> Response:
+        # The frontends poll this: a dead engine core must fail the poll, or they keep routing here.
+        if self.engine_dead():
+            return JSONResponse({"error": "engine core is dead"}, status_code=503)
         return Response(p.encode(self.load()), media_type="application/json")
 
     async def health(self) -> Response:

@@ -16,6 +16,7 @@ second decode worker for the test that kills one.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -279,6 +280,38 @@ def test_prefill_killed_during_transfer_recomputes_with_the_same_answer(cluster)
     wait_for(lambda: cluster.urls["prefill"] not in cluster.in_rotation(), 30, "dead prefill worker out of rotation")
     # Restarted on the same port, it comes back (the next test kills it again).
     cluster.start("prefill", "prefill", 0, port=int(cluster.urls["prefill"].rsplit(":", 1)[1]))
+    cluster.wait_ready("prefill")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(d.name))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def test_engine_core_killed_makes_the_worker_not_live(cluster):
+    """An engine core that dies (OOM killer, a crash in vLLM) never comes back: the worker
+    leaves rotation and its liveness probe fails, so a supervisor restarts it."""
+    url = cluster.urls["prefill"]
+    proc = cluster.procs["prefill"]
+    assert httpx.get(f"{url}/live").status_code == 200
+    cores = [c for c in _children(proc.pid) if "EngineCore" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+    assert cores, "no engine-core child found"
+    t0 = time.monotonic()
+    for c in cores:
+        os.kill(c, signal.SIGKILL)
+    wait_for(lambda: httpx.get(f"{url}/live", timeout=5).status_code == 503, 30, "liveness failing")
+    assert httpx.get(f"{url}/health", timeout=15).status_code == 503
+    wait_for(lambda: url not in cluster.in_rotation(), 30, "worker with a dead engine out of rotation")
+    record("engine core SIGKILLed", live_503_s=time.monotonic() - t0)
+    proc.stop(sig=signal.SIGKILL)  # what the supervisor does; then a fresh worker for the next test
+    cluster.start("prefill", "prefill", 0, port=int(url.rsplit(":", 1)[1]))
     cluster.wait_ready("prefill")
 
 
