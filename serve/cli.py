@@ -297,11 +297,27 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
     return 0
 
 
+# Ports the engine binds only after loading (seconds later) are drawn from below the kernel's
+# ephemeral range: a port from bind(0) is one that any outgoing connection, or a sibling worker
+# starting at the same moment, may be handed meanwhile (seen: "Address already in use").
+LATE_PORT_RANGE = (20000, 32000)
+
+
 def _free_port(host: str) -> int:
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind((host if host not in ("0.0.0.0", "::") else "", 0))
+    addr = host if host not in ("0.0.0.0", "::") else ""
+    for _ in range(100):
+        port = random.randint(*LATE_PORT_RANGE)
+        with socket.socket() as s:
+            try:
+                s.bind((addr, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # a crowded range: fall back to any free port
+        s.bind((addr, 0))
         return s.getsockname()[1]
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from serve.frontend.admission import Admission, Overloaded
 from tests.conftest import MODEL, Proc, free_port
+from tests.workerclient import stream_in_background
 
 
 def test_admission_bounds_active_and_queued_and_hands_slots_over_in_order():
@@ -146,19 +147,7 @@ def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(agg_worke
 
         # SIGTERM with a stream in flight: new connections are refused, the stream finishes,
         # the process exits within its graceful timeout.
-        lines: list[str] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
-                              json={**body, "max_tokens": 96, "stream": True}) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line[6:])
-                        started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
+        t, lines, started = stream_in_background(url, {**body, "max_tokens": 96})
         assert started.wait(60)
         t0 = time.monotonic()
         proc.popen.send_signal(signal.SIGTERM)

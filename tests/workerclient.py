@@ -65,3 +65,25 @@ def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def stream_in_background(url: str, body: dict, headers: dict | None = None, started_after: int = 1):
+    """POST a streaming chat in a thread. Returns (thread, events, started): `events` collects
+    every `data:` payload ("[DONE]" last), `started` is set once `started_after` arrived."""
+    import threading
+
+    events: list[str] = []
+    started = threading.Event()
+
+    def run() -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=120,
+                          headers=headers or {}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) >= started_after:
+                        started.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, events, started

@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import ROOT, Proc, free_port
 from tests.k8s.manifests import by_kind, env_of, expand, render
-from tests.workerclient import metric, metrics, wait_for
+from tests.workerclient import metric, metrics, stream_in_background, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -190,19 +190,7 @@ def test_cpu_overlay_commands_serve_a_chat_request_and_drain(tmp_path):
 
         # preStop on the decode worker while a stream is in flight: it leaves rotation, the
         # stream finishes, then the hook returns.
-        lines: list[str] = []
-        started = threading.Event()
-
-        def stream() -> None:
-            with httpx.stream("POST", f"{fe.url}/v1/chat/completions", timeout=120, headers=KEY,
-                              json={**body, "stream": True, "max_tokens": 48, "ignore_eos": True}) as s:
-                for line in s.iter_lines():
-                    if line.startswith("data: "):
-                        lines.append(line[6:])
-                        started.set()
-
-        t = threading.Thread(target=stream)
-        t.start()
+        t, lines, started = stream_in_background(fe.url, {**body, "max_tokens": 48, "ignore_eos": True}, KEY)
         assert started.wait(60)
         t0 = time.monotonic()
         hook = decode.pre_stop()
