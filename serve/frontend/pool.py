@@ -160,6 +160,10 @@ class WorkerPool:
         lens = [e.info.max_model_len for e in self.available() if e.info is not None]
         return min(lens) if lens else None
 
+    def seeds_supported(self) -> bool:
+        """False if any worker in rotation cannot serve a seeded request."""
+        return all(e.info.seeds for e in self.available() if e.info is not None)
+
     def pick(self, roles: tuple[str, ...] | None = None) -> WorkerEntry:
         entries = self.available(roles)
         if not entries:
