@@ -8,6 +8,7 @@ Every failure the user can fix is one line on stderr and exit status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -124,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-kv-events", action="store_true",
                    help="do not publish vLLM KV cache events (the router then routes by its own decisions)")
     w.add_argument("--kv-events-port", type=int, default=0,
-                   help="port of the ZMQ KV-event publisher; 0 picks a free one (default: 0)")
+                   help="TCP port of the ZMQ KV-event publisher, on all interfaces; 0 picks a free one, or on a "
+                        "loopback worker publishes on a private Unix socket instead (default: 0)")
     w.add_argument("--graceful-timeout", type=float, default=30.0,
                    help="seconds SIGTERM and `pdserve drain` wait for in-flight requests (default: 30)")
     _add_token_args(w)
@@ -284,17 +286,51 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
         import json
 
         host = settings.url.split("//")[1].rsplit(":", 1)[0]
-        ev_port = args.kv_events_port or _free_port(args.host)
-        settings.kv_events_endpoint = f"tcp://{host}:{ev_port}"
-        # vLLM's publisher binds only wildcard endpoints (an explicit host makes it connect),
-        # so it listens on all interfaces; routers subscribe to the advertised address.
+        # vLLM's publisher binds only wildcard TCP endpoints (an explicit host makes it
+        # connect), and ipc:// ones. A loopback worker publishes on a Unix socket in a
+        # private directory, so its events stay on this host; any other publishes on all
+        # interfaces, and routers subscribe to the advertised address.
+        if not args.kv_events_port and _is_loopback(args.host) and _is_loopback(host):
+            bind = settings.kv_events_endpoint = _ipc_endpoint(f"kv-events-{args.port}")
+        else:
+            ev_port = args.kv_events_port or _free_port(args.host)
+            settings.kv_events_endpoint = f"tcp://{host}:{ev_port}"
+            bind = f"tcp://*:{ev_port}"
         passthrough = [*passthrough, "--kv-events-config", json.dumps({
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}", "topic": ""})]
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": bind, "topic": ""})]
     engine_args = parse_engine_args(model, passthrough, name)
     app = build_app(Worker(settings, engine_args))
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=max(1, int(settings.graceful_timeout_s)))
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                    timeout_graceful_shutdown=max(1, int(settings.graceful_timeout_s)))
+    finally:
+        ev = settings.kv_events_endpoint or ""
+        if ev.startswith("ipc://"):  # left behind if the engine core was killed
+            with contextlib.suppress(OSError):
+                os.unlink(ev[len("ipc://"):])
     return 0
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _ipc_endpoint(name: str) -> str:
+    """An ipc:// endpoint in a directory only this user can enter (created 0700)."""
+    import tempfile
+    import uuid
+
+    root = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(), f"pdserve-{os.getuid()}")
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    os.chmod(root, 0o700)
+    return f"ipc://{root}/{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}.sock"
 
 
 # Ports the engine binds only after loading (seconds later) are drawn from below the kernel's
