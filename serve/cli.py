@@ -322,15 +322,26 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+IPC_PATH_MAX = 100  # a Unix socket path holds at most 107 bytes
+
+
 def _ipc_endpoint(name: str) -> str:
-    """An ipc:// endpoint in a directory only this user can enter (created 0700)."""
+    """An ipc:// endpoint in a directory only this user can enter (created 0700): under
+    $XDG_RUNTIME_DIR, else the temporary directory, else /tmp, whichever keeps the socket's
+    path short enough."""
     import tempfile
     import uuid
 
-    root = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir(), f"pdserve-{os.getuid()}")
+    leaf = f"{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}.sock"
+    for base in (os.environ.get("XDG_RUNTIME_DIR"), tempfile.gettempdir(), "/tmp"):
+        if not base:
+            continue
+        root = os.path.join(base, f"pdserve-{os.getuid()}")
+        if len(root) + 1 + len(leaf) <= IPC_PATH_MAX:
+            break
     os.makedirs(root, mode=0o700, exist_ok=True)
     os.chmod(root, 0o700)
-    return f"ipc://{root}/{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}.sock"
+    return f"ipc://{root}/{leaf}"
 
 
 # Ports the engine binds only after loading (seconds later) are drawn from below the kernel's

@@ -15,3 +15,27 @@ def test_user_choices_win():
     assert with_cpu_defaults(["-O3"]) == ["--no-enable-chunked-prefill", "-O3"]
     assert with_cpu_defaults(["--no-enforce-eager", "--no-enable-chunked-prefill"]) == [
         "--no-enforce-eager", "--no-enable-chunked-prefill"]
+
+
+def test_kv_event_endpoints_stay_private_on_loopback(tmp_path, monkeypatch):
+    import os
+    import shutil
+    import stat
+    import tempfile
+
+    from serve.cli import _ipc_endpoint, _is_loopback
+
+    assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("[::1]") and _is_loopback("localhost")
+    assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.7") and not _is_loopback("pdserve-prefill")
+    short = tempfile.mkdtemp(prefix="pd-", dir="/tmp")  # tmp_path is too deep for a socket path
+    try:
+        monkeypatch.setenv("XDG_RUNTIME_DIR", short)
+        a, b = _ipc_endpoint("kv-events-1"), _ipc_endpoint("kv-events-1")
+        assert a.startswith(f"ipc://{short}/pdserve-{os.getuid()}/kv-events-1-") and a != b
+        assert stat.S_IMODE(os.stat(f"{short}/pdserve-{os.getuid()}").st_mode) == 0o700
+    finally:
+        shutil.rmtree(short)
+    # A runtime directory too deep for a Unix socket path (107 bytes) is passed over.
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / ("d" * 90)))
+    c = _ipc_endpoint("kv-events-1")
+    assert len(c) - len("ipc://") <= 100 and "d" * 90 not in c
