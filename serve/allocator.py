@@ -40,6 +40,25 @@ def _rss_mib() -> float:
         return 0.0
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def heap_in_use_mib() -> float | None:
+    """Bytes malloc has handed out and not had back (heap chunks plus mmapped ones), in
+    MiB; None where glibc's mallinfo2 (2.33+) is missing. A steady climb of this, unlike
+    RSS, is memory still allocated: a leak or a growing cache, not retained free chunks."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    mi = fn()
+    return (mi.uordblks + mi.hblkhd) / 2**20
+
+
 def _malloc_trim() -> ctypes._CFuncPtr | None:
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -84,9 +103,12 @@ class Trimmer:
         self.calls += 1
         self.seconds += took
         self.freed_mib += freed
-        level = logging.INFO if freed >= LOG_FREED_MIB else logging.DEBUG
-        log.log(level, "malloc_trim returned %.0f MiB to the OS in %.1f ms (pid %d; %d calls, %.0f MiB, "
-                "%.2f s so far)", freed, took * 1e3, os.getpid(), self.calls, self.freed_mib, self.seconds)
+        level = logging.INFO if freed >= LOG_FREED_MIB or self.calls % 10 == 1 else logging.DEBUG
+        if log.isEnabledFor(level):
+            in_use = heap_in_use_mib()
+            log.log(level, "malloc_trim returned %.0f MiB to the OS in %.1f ms (pid %d; rss %.0f MiB, heap in use "
+                    "%s MiB; %d calls, %.0f MiB, %.2f s so far)", freed, took * 1e3, os.getpid(), _rss_mib(),
+                    "?" if in_use is None else f"{in_use:.0f}", self.calls, self.freed_mib, self.seconds)
         return freed
 
     def _run(self) -> None:

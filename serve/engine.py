@@ -15,6 +15,7 @@ from serve.errors import ConfigError
 
 
 MALLOC_TRIM_S = 30
+ONEDNN_CACHE = 128  # oneDNN primitives kept process-wide (oneDNN's default: 1024)
 
 
 def cpu_environment(host_ip: str, cpu_cores: str | None, kv_cache_gib: float) -> dict[str, str]:
@@ -24,11 +25,19 @@ def cpu_environment(host_ip: str, cpu_cores: str | None, kv_cache_gib: float) ->
     - VLLM_CPU_KVCACHE_SPACE: otherwise the KV cache is sized from total RAM.
     - VLLM_CPU_OMP_THREADS_BIND: pin the engine to its own core(s); vLLM's automatic
       binding spreads one worker over both cores and runs ~10x slower with a KV connector.
+    - ONEDNN_PRIMITIVE_CACHE_CAPACITY: vllm-cpu runs its linear layers through oneDNN,
+      which compiles and caches one matmul primitive per distinct token count; oneDNN keeps
+      1024 by default, and a prefill engine, whose steps have a new token count almost
+      every time, grows by hundreds of MiB until that cache is full. vLLM's own per-layer
+      caches still hold the 32 most recent shapes of each layer.
     - PDSERVE_MALLOC_TRIM_S: hand freed heap memory back every so often (serve.allocator),
-      or a prefill engine's RSS climbs with glibc's retained free chunks. A value already
-      in the environment wins; 0 turns it off.
+      or the engine's RSS climbs with glibc's retained free chunks (primitives compiled
+      and dropped, activations of varying size).
+    A value already in the environment wins for both; PDSERVE_MALLOC_TRIM_S=0 turns
+    trimming off.
     """
     env = {
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE)),
         "PDSERVE_MALLOC_TRIM_S": os.environ.get("PDSERVE_MALLOC_TRIM_S", str(MALLOC_TRIM_S)),
         "VLLM_HOST_IP": host_ip,
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",

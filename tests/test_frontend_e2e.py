@@ -131,7 +131,7 @@ def test_seeded_long_prompt_is_served_and_reproducible(frontend, agg_worker, tok
     # offset"). pdserve turns chunked prefill off on CPU, so the prompt is prefilled whole.
     words = " ".join(f"item{i}" for i in range(1400))
     prompt = f"Here is a list: {words}. Name the first item."
-    assert len(tokenizer.encode(prompt)) > 2048
+    assert len(tokenizer.encode(prompt, add_special_tokens=True)) > 2048
     req = {"model": MODEL, "prompt": prompt, "temperature": 1.0, "seed": 7, "max_tokens": 8}
     first = post(frontend, "/v1/completions", req)
     assert first.status_code == 200, first.text
