@@ -53,6 +53,9 @@ def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
     from bench.soak import add_parser as add_soak_parser
 
     add_soak_parser(bsub)
+    from bench.engine_memory import add_parser as add_engine_memory_parser
+
+    add_engine_memory_parser(bsub)
     from bench.plan.cli import add_bench_parsers
 
     add_bench_parsers(bsub)
@@ -120,6 +123,10 @@ def run(args: argparse.Namespace) -> int:
         from bench.soak import run as run_soak
 
         return run_soak(args)
+    if args.bench_command == "engine-memory":
+        from bench.engine_memory import run as run_engine_memory
+
+        return run_engine_memory(args)
     if args.bench_command == "kv":
         if args.e2e:
             from bench.kv.e2e import run as run_e2e

