@@ -11,6 +11,7 @@ import argparse
 import contextlib
 import logging
 import os
+import stat
 import sys
 
 from serve.errors import PdserveError
@@ -290,8 +291,14 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
         # connect), and ipc:// ones. A loopback worker publishes on a Unix socket in a
         # private directory, so its events stay on this host; any other publishes on all
         # interfaces, and routers subscribe to the advertised address.
+        ipc = None
         if not args.kv_events_port and _is_loopback(args.host) and _is_loopback(host):
-            bind = settings.kv_events_endpoint = _ipc_endpoint(f"kv-events-{args.port}")
+            try:
+                ipc = _ipc_endpoint(f"kv-events-{args.port}")
+            except OSError as exc:
+                log.warning("KV events on TCP instead of a private Unix socket: %s", exc)
+        if ipc is not None:
+            bind = settings.kv_events_endpoint = ipc
         else:
             ev_port = args.kv_events_port or _free_port(args.host)
             settings.kv_events_endpoint = f"tcp://{host}:{ev_port}"
@@ -300,14 +307,11 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": bind, "topic": ""})]
     engine_args = parse_engine_args(model, passthrough, name)
     app = build_app(Worker(settings, engine_args))
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                    timeout_graceful_shutdown=max(1, int(settings.graceful_timeout_s)))
-    finally:
-        ev = settings.kv_events_endpoint or ""
-        if ev.startswith("ipc://"):  # left behind if the engine core was killed
-            with contextlib.suppress(OSError):
-                os.unlink(ev[len("ipc://"):])
+    # The worker removes its ipc socket when it stops (uvicorn re-raises SIGTERM after its
+    # shutdown, so nothing after this call runs); sockets of killed workers are swept by the
+    # next worker that makes one (`_ipc_endpoint`).
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=max(1, int(settings.graceful_timeout_s)))
     return 0
 
 
@@ -340,8 +344,27 @@ def _ipc_endpoint(name: str) -> str:
         if len(root) + 1 + len(leaf) <= IPC_PATH_MAX:
             break
     os.makedirs(root, mode=0o700, exist_ok=True)
+    st = os.lstat(root)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise OSError(f"{root} is not a directory of this user")
     os.chmod(root, 0o700)
+    _sweep_dead_sockets(root)
     return f"ipc://{root}/{leaf}"
+
+
+def _sweep_dead_sockets(root: str) -> None:
+    """Remove sockets left by workers that were killed (their pid is in the name)."""
+    for entry in os.scandir(root):
+        parts = entry.name.rsplit("-", 2)
+        if not entry.name.endswith(".sock") or len(parts) != 3 or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+        except PermissionError:  # alive, someone else's
+            pass
 
 
 # Ports the engine binds only after loading (seconds later) are drawn from below the kernel's

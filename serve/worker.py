@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -175,6 +176,10 @@ class Worker:
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
+        ev = self.settings.kv_events_endpoint or ""
+        if ev.startswith("ipc://"):  # the engine core bound it and is gone now
+            with contextlib.suppress(OSError):
+                os.unlink(ev[len("ipc://"):])
 
     async def _frontend_urls(self) -> list[str]:
         urls: list[str] = []

@@ -39,3 +39,19 @@ def test_kv_event_endpoints_stay_private_on_loopback(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / ("d" * 90)))
     c = _ipc_endpoint("kv-events-1")
     assert len(c) - len("ipc://") <= 100 and "d" * 90 not in c
+
+
+def test_sockets_of_dead_workers_are_swept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from serve.cli import _sweep_dead_sockets
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    names = [f"kv-events-1-{dead}-abc123.sock", f"kv-events-2-{os.getpid()}-def456.sock", "notes.txt"]
+    for n in names:
+        (tmp_path / n).write_text("")
+    _sweep_dead_sockets(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])

@@ -45,11 +45,12 @@ def test_shared_prefixes_return_to_their_prefill_worker(model_dir):
         d, ud = start_worker("decode", 0, model_dir, furl, extra=LEASE)
         procs.append(d)
         wait_for(lambda: roles_in_rotation(furl) == ["decode", "prefill", "prefill"], 30, "workers registered")
+        sockets = []
         for u in (u0, u1):  # loopback workers publish KV events on a private Unix socket, not on all interfaces
             ev = httpx.get(f"{u}/info", timeout=5).json()["kv_events_endpoint"]
             assert ev.startswith("ipc://"), ev
-            path = ev[len("ipc://"):]
-            assert os.path.exists(path) and stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+            sockets.append(ev[len("ipc://"):])
+            assert os.path.exists(sockets[-1]) and stat.S_IMODE(os.stat(os.path.dirname(sockets[-1])).st_mode) == 0o700
         hits = 0
         for i in range(PREFIXES):
             prefix = f"Document {i}. " + " ".join(f"Fact {i}.{j}: value {(i * 31 + j * 7) % 101}." for j in range(90))
@@ -81,3 +82,4 @@ def test_shared_prefixes_return_to_their_prefill_worker(model_dir):
     finally:
         for proc in reversed(procs):
             proc.stop()
+    assert not any(os.path.exists(p) for p in sockets), sockets  # a stopped worker removes its socket
