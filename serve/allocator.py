@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import threading
@@ -49,13 +50,21 @@ class _Mallinfo2(ctypes.Structure):
                  "keepcost")]
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """glibc, loaded once (find_library runs ldconfig); None elsewhere (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
 def heap_in_use_mib() -> float | None:
     """Bytes malloc has handed out and not had back (heap chunks plus mmapped ones), in
     MiB; None where glibc's mallinfo2 (2.33+) is missing. A steady climb of this, unlike
     RSS, is memory still allocated: a leak or a growing cache, not retained free chunks."""
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    fn = getattr(_libc(), "mallinfo2", None)
+    if fn is None:
         return None
     fn.restype = _Mallinfo2
     mi = fn()
@@ -63,10 +72,8 @@ def heap_in_use_mib() -> float | None:
 
 
 def _malloc_trim() -> ctypes._CFuncPtr | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to do
+    fn = getattr(_libc(), "malloc_trim", None)
+    if fn is None:  # not glibc: nothing to do
         return None
     fn.argtypes = [ctypes.c_size_t]
     fn.restype = ctypes.c_int
