@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 
 from bench.procs import free_port, stop_group, wait_ready
+from serve.engine import MALLOC_TRIM_S, ONEDNN_CACHE
 
 MODEL = "smollm2-135m-instruct"
 SAMPLE_S = 10.0
@@ -310,7 +311,9 @@ def _report(args: argparse.Namespace, tally: Tally, samples: list[dict], t0: flo
         "rss_series_mib": {name: [round(x["rss_mib"].get(name, 0.0), 1) for x in samples] for name in rss},
         "sample_times_s": [round(x["t"] - t0, 1) for x in samples],
         "rss_growth_limit_pct": args.rss_growth_limit, "rss_flat": rss_flat,
-        "malloc_trim_s": os.environ.get("PDSERVE_MALLOC_TRIM_S", "default"),
+        # what the stack's CPU workers got (they inherit this environment; see serve.engine)
+        "malloc_trim_s": os.environ.get("PDSERVE_MALLOC_TRIM_S", str(MALLOC_TRIM_S)),
+        "onednn_primitive_cache_capacity": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE)),
         "ok": not tally.failures and not leaked and rss_flat,
     }
 
