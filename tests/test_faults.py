@@ -30,7 +30,10 @@ from tests.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
 
-LEASE_S = 4.0
+# The prefill side's KV lease. The transfer-fault tests hold a decode worker before its READ
+# for up to a lease, and must see the hold within that window: polling /metrics of a busy
+# 2-core machine can take a second a call, so the window is several seconds wide.
+LEASE_S = 6.0
 CLIENTS = 16  # concurrent clients in the disconnect test
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # ~2500 prompt tokens: a prefill long enough (about a second here) to kill the worker inside it.
@@ -234,8 +237,10 @@ def test_decode_killed_mid_stream_errors_its_client_only_and_the_lease_frees_its
     t_bad = threading.Thread(target=stream_events, args=(cluster, LONG, 48, victim))
     t_bad.start()
     try:
-        wait_for(lambda: metric(metrics(p), "pdserve_kv_held_blocks") > 0 and decode_busy(cluster, victim_worker) >= 1,
-                 60, f"prefill holding blocks for {victim_worker}", interval=0.05)
+        wait_for(lambda: decode_busy(cluster, victim_worker) >= 1, 60, f"{victim_worker} has the request",
+                 interval=0.05)
+        wait_for(lambda: metric(metrics(p), "pdserve_kv_held_blocks") > 0, LEASE_S,
+                 f"prefill holding blocks for {victim_worker}", interval=0.05)
         t_kill = time.monotonic()
         cluster.kill(victim_worker)
     finally:
@@ -257,16 +262,18 @@ def test_decode_killed_mid_stream_errors_its_client_only_and_the_lease_frees_its
 
 def test_prefill_killed_during_transfer_recomputes_with_the_same_answer(cluster):
     for name in cluster.decoders():
-        cluster.pause_file(name).write_text("3")
+        cluster.pause_file(name).write_text(str(LEASE_S))
     try:
         rec = {n: metric(metrics(cluster.urls[n]), "pdserve_kv_recomputes_total") for n in cluster.decoders()}
         result: list[str] = []
         t = threading.Thread(target=lambda: result.append(chat(cluster, QUESTION)))
         t.start()
-        # The prefill is done and its blocks are held; the decode worker is paused before its READ.
-        wait_for(lambda: metric(metrics(cluster.urls["prefill"]), "pdserve_kv_held_blocks") > 0
-                 and any(decode_busy(cluster, n) for n in cluster.decoders()), 30,
-                 "blocks held, and the decode worker has the request", interval=0.05)
+        # The decode worker has the request, so the prefill is done; it is paused before its
+        # READ while the prefill worker holds the blocks (until the lease ends).
+        wait_for(lambda: any(decode_busy(cluster, n) for n in cluster.decoders()), 30,
+                 "the decode worker has the request", interval=0.05)
+        wait_for(lambda: metric(metrics(cluster.urls["prefill"]), "pdserve_kv_held_blocks") > 0, LEASE_S,
+                 "the prefill worker holding the blocks", interval=0.05)
         t_kill = time.monotonic()
         cluster.kill("prefill")
     finally:
