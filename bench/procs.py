@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 
@@ -16,9 +15,10 @@ import httpx
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server a benchmark starts (it binds seconds later): below the ephemeral range."""
+    from serve.listen import late_port
+
+    return late_port("127.0.0.1")
 
 
 def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float = 300) -> None:

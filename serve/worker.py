@@ -43,6 +43,9 @@ from serve.http import DisconnectAwareStreamingResponse
 log = logging.getLogger("pdserve.worker")
 
 HEALTH_TIMEOUT_S = 10.0
+# How long leaving rotation waits for the registration task to stop: longer than one renewal
+# (DNS lookup or POST, 5 s each), so a renewal in flight ends before the deregistration.
+REGISTER_STOP_S = 11.0
 
 
 @dataclass
@@ -196,8 +199,10 @@ class Worker:
         body = p.encode(p.Registration(info=self.info, lease_seconds=self.settings.lease_seconds))
         interval = max(self.settings.lease_seconds / 3.0, 0.2)
         failing: set[str] = set()
-        while True:
+        while not self.draining:  # and cancelled: either one stops the renewals
             for url in await self._frontend_urls():
+                if self.draining:
+                    return
                 try:
                     r = await self._http.post(f"{url}/internal/register", content=body,
                                               headers={"content-type": "application/json"})
@@ -226,11 +231,15 @@ class Worker:
     async def _leave_rotation(self) -> None:
         """Stop renewing and deregister (idempotent): the frontends route nothing new here."""
         self.draining = True
-        if self._register_task is not None:
-            self._register_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._register_task
-            self._register_task = None
+        task, self._register_task = self._register_task, None
+        if task is not None:
+            task.cancel()
+            # Bounded: shutdown never waits on a renewal stuck in a frontend's connect.
+            done, _ = await asyncio.wait({task}, timeout=REGISTER_STOP_S)
+            if not done:
+                log.warning("registration task still running %.0f s after its cancel", REGISTER_STOP_S)
+            elif not task.cancelled() and task.exception() is not None:
+                log.warning("registration task failed: %r", task.exception())
         if self._http is not None:
             await self._deregister()
 
@@ -347,7 +356,8 @@ class Worker:
             if not finished and self.engine is not None:
                 # The client went away (or the stream was cancelled): free the engine's blocks now.
                 with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.engine.abort(req.request_id), HEALTH_TIMEOUT_S)
+                    async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                        await self.engine.abort(req.request_id)
             self.active -= 1
             self.metrics.active.labels(role).set(self.active)
             self.metrics.requests.labels(role, outcome).inc()
@@ -361,8 +371,9 @@ class Worker:
             return JSONResponse({"error": f"invalid abort request: {exc}"}, status_code=400)
         if self.engine is not None:
             try:
-                await asyncio.wait_for(self.engine.abort(req.request_id), HEALTH_TIMEOUT_S)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                    await self.engine.abort(req.request_id)
+            except TimeoutError:
                 return JSONResponse({"error": "engine did not acknowledge the abort in time"}, status_code=504)
         return JSONResponse({"aborted": req.request_id})
 
@@ -370,7 +381,8 @@ class Worker:
         """Drop the engine's prefix cache (benchmarks and tests that need a cold cache)."""
         if self.engine is None:
             return JSONResponse({"error": "no engine"}, status_code=503)
-        ok = await asyncio.wait_for(self.engine.reset_prefix_cache(), HEALTH_TIMEOUT_S)
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            ok = await self.engine.reset_prefix_cache()
         return JSONResponse({"reset": bool(ok) if ok is not None else True})
 
     async def get_info(self) -> Response:
@@ -400,7 +412,8 @@ class Worker:
         if self.engine is None or self.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
         try:
-            await asyncio.wait_for(self.engine.check_health(), HEALTH_TIMEOUT_S)
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                await self.engine.check_health()
         except Exception as exc:
             return JSONResponse({"status": "unhealthy", "error": str(exc)}, status_code=503)
         return JSONResponse({"status": "ok", "worker_id": self.worker_id, "role": self.settings.role})

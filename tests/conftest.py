@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,9 +24,10 @@ LOG_DIR = Path(os.environ.get("PDSERVE_TEST_LOGS", "/tmp/pdserve-test-logs"))
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port for a server a test starts (it binds seconds later): below the ephemeral range."""
+    from serve.listen import late_port
+
+    return late_port("127.0.0.1")
 
 
 class Proc:

@@ -260,8 +260,8 @@ class Client:
                 await work
             else:
                 try:
-                    await asyncio.wait_for(asyncio.shield(work),
-                                           timeout=max(0.0, deadline - time.perf_counter()) + p.grace_s)
+                    async with asyncio.timeout(max(0.0, deadline - time.perf_counter()) + p.grace_s):
+                        await asyncio.shield(work)
                 except TimeoutError:
                     self.stop()
                     await asyncio.gather(work, return_exceptions=True)
