@@ -266,7 +266,8 @@ def test_prefill_killed_during_transfer_recomputes_with_the_same_answer(cluster)
     try:
         rec = {n: metric(metrics(cluster.urls[n]), "pdserve_kv_recomputes_total") for n in cluster.decoders()}
         result: list[str] = []
-        t = threading.Thread(target=lambda: result.append(chat(cluster, QUESTION)))
+        answered_at: list[float] = []
+        t = threading.Thread(target=lambda: (result.append(chat(cluster, QUESTION)), answered_at.append(time.monotonic())))
         t.start()
         # The decode worker has the request, so the prefill is done; it is paused before its
         # READ while the prefill worker holds the blocks (until the lease ends).
@@ -276,12 +277,13 @@ def test_prefill_killed_during_transfer_recomputes_with_the_same_answer(cluster)
                  "the prefill worker holding the blocks", interval=0.05)
         t_kill = time.monotonic()
         cluster.kill("prefill")
+        killed = time.monotonic() - t_kill
     finally:
         for name in cluster.decoders():
             cluster.pause_file(name).unlink()
     t.join(120)
-    record("prefill killed during transfer", answer_after_kill_s=time.monotonic() - t_kill)
     assert result == [cluster.reference["q"]]
+    record("prefill killed during transfer", answer_after_kill_s=answered_at[0] - t_kill, kill_and_reap_s=killed)
     after = {n: metric(metrics(cluster.urls[n]), "pdserve_kv_recomputes_total") for n in cluster.decoders()}
     assert sum(after.values()) == sum(rec.values()) + 1
     wait_for(lambda: cluster.urls["prefill"] not in cluster.in_rotation(), 30, "dead prefill worker out of rotation")
@@ -325,18 +327,20 @@ def test_engine_core_killed_makes_the_worker_not_live(cluster):
 def test_prefill_killed_during_prefill_falls_back_with_the_same_answer(cluster):
     before = fallbacks(cluster)
     result: list[str] = []
-    t = threading.Thread(target=lambda: result.append(chat(cluster, LONG)))
+    answered_at: list[float] = []
+    t = threading.Thread(target=lambda: (result.append(chat(cluster, LONG)), answered_at.append(time.monotonic())))
     t.start()
     wait_for(lambda: metric(metrics(cluster.urls["prefill"]), "pdserve_worker_active_requests", role="prefill") >= 1,
              30, "the prefill worker busy with the long prompt", interval=0.02)
     t_kill = time.monotonic()
     cluster.kill("prefill")
+    killed = time.monotonic() - t_kill  # the test's SIGKILL and reap of the process group
     t.join(120)
-    answered = time.monotonic() - t_kill
     assert result == [cluster.reference["long"]]
     assert fallbacks(cluster) == before + 1
     wait_for(lambda: cluster.urls["prefill"] not in cluster.in_rotation(), 30, "dead prefill worker out of rotation")
-    record("prefill killed during prefill", answer_after_kill_s=answered, out_of_rotation_s=time.monotonic() - t_kill)
+    record("prefill killed during prefill", answer_after_kill_s=answered_at[0] - t_kill, kill_and_reap_s=killed,
+           out_of_rotation_s=time.monotonic() - t_kill)
     assert chat(cluster, QUESTION) == cluster.reference["q"]  # served meanwhile by local prefill
 
 
