@@ -25,32 +25,41 @@ LATE_PORT_RANGE = (20000, 32000)
 _handed: set[int] = set()  # never the same port twice from one process
 
 
-def late_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now on `host`, for a listener that binds it later."""
-    addr = host if host not in ("0.0.0.0", "::") else ""
-    for _ in range(200):
-        port = random.randint(*LATE_PORT_RANGE)
-        if port in _handed:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((addr, port))
-            except OSError:
-                continue
-        _handed.add(port)
-        return port
-    with socket.socket() as s:  # a crowded range: any free port
-        s.bind((addr, 0))
-        return s.getsockname()[1]
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); PdserveError when that cannot be had."""
+def _address(host: str, port: int) -> tuple[int, int, int, tuple]:
+    """(family, type, proto, sockaddr) to bind on `host` (IPv4 or IPv6); PdserveError if unknown."""
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                           flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise PdserveError(f"--host {host}: {exc.strerror}") from None
+    return family, kind, proto, addr
+
+
+def late_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now on `host`, for a listener that binds it later."""
+    family, kind, proto, addr = _address(host, 0)
+    for _ in range(200):
+        port = random.randint(*LATE_PORT_RANGE)
+        if port in _handed:
+            continue
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind((addr[0], port, *addr[2:]))
+            except OSError:
+                continue
+        _handed.add(port)
+        return port
+    with socket.socket(family, kind, proto) as s:  # a crowded range: any free port
+        try:
+            s.bind(addr)
+        except OSError as exc:
+            raise PdserveError(f"no free port on {host}: {exc.strerror or exc}") from None
+        return s.getsockname()[1]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); PdserveError when that cannot be had."""
+    family, kind, proto, addr = _address(host, port)
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -59,7 +68,8 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise PdserveError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    # vLLM forks its engine processes: they must not keep the port open after this process dies.
+    # A forked child (an engine process started by fork rather than spawn) must not keep the
+    # port open after this process dies.
     os.register_at_fork(after_in_child=sock.close)
     return sock
 

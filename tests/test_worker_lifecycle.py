@@ -46,7 +46,7 @@ def test_the_bound_port_is_held_and_not_kept_by_forked_children():
         with socket.create_connection(("127.0.0.1", port), timeout=5):
             pass  # accepted into the backlog before anything serves it
         pid = os.fork()
-        if pid == 0:  # vLLM forks its engine processes like this
+        if pid == 0:  # an engine process started by fork (vLLM's CPU engines are spawned)
             os._exit(0 if sock.fileno() == -1 else 1)
         _, status = os.waitpid(pid, 0)
         assert os.waitstatus_to_exitcode(status) == 0, "the forked child kept the listening socket"
@@ -64,6 +64,16 @@ def test_late_ports_are_below_the_ephemeral_range_free_and_never_repeated():
     for port in ports[:5]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
+
+
+def test_late_ports_follow_the_host_family_and_an_unknown_host_is_a_clear_error():
+    port = listen.late_port("::1")  # an IPv6 host: an IPv6 socket, not a crash
+    with socket.socket(socket.AF_INET6) as s:
+        s.bind(("::1", port))
+    with pytest.raises(PdserveError, match="--host no-such-host.invalid"):
+        listen.late_port("no-such-host.invalid")
+    with pytest.raises(PdserveError, match="--host no-such-host.invalid"):
+        listen.bind("no-such-host.invalid", 0)
 
 
 def _worker(posts: list[tuple[float, str]], lease_s: float = 0.6) -> Worker:
