@@ -1,41 +1,71 @@
-"""Load scoring: pick the least-loaded worker, ties broken fairly.
+"""The load tracker: what this frontend has in flight on each worker, per stage.
 
-`WorkerLoadView` is what the picker knows of a worker (the caller builds it from polled
-load and its own in-flight count). `load_cost` is a pure function; `pick_least_loaded`
-chooses among the lowest costs with a caller-supplied random source, so ties spread
-evenly and tests are deterministic with a seeded `random.Random`.
+One object replaces the counters that used to be bumped by hand in several places. A
+request reserves load on a worker for one stage (`prefill` or `decode`; an aggregated
+worker's whole request counts as `decode`) and releases it when that stage ends:
+
+    with tracker.reserve(worker_id, "decode", blocks):
+        ...stream from the worker...
+
+`requests(w)` counts reservations of every stage (what least-loaded picking uses);
+`blocks(w, stage)` sums their blocks (what the prefill and decode costs use). No I/O.
 """
 
 from __future__ import annotations
 
-import random
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
-from router.errors import NoCandidates
-
-
-@dataclass(frozen=True)
-class WorkerLoadView:
-    worker_id: str
-    inflight: int  # requests this frontend has sent and not yet finished
-    waiting: int  # requests queued in the engine's scheduler (polled)
-    kv_usage: float  # 0..1 (polled)
+Stage = Literal["prefill", "decode"]
+STAGES: tuple[Stage, ...] = ("prefill", "decode")
 
 
-def load_cost(w: WorkerLoadView) -> float:
-    """Cost = in-flight requests + queued requests + KV usage.
-
-    KV usage (0..1) only separates workers with the same request counts, so a worker
-    near a full KV cache loses ties without outweighing a whole request.
-    """
-    return w.inflight + w.waiting + w.kv_usage
+@dataclass(slots=True)
+class _Load:
+    requests: int = 0
+    blocks: int = 0
 
 
-def pick_least_loaded(workers: Sequence[WorkerLoadView], rng: random.Random) -> WorkerLoadView:
-    if not workers:
-        raise NoCandidates("no worker to choose from")
-    costs = [load_cost(w) for w in workers]
-    best = min(costs)
-    tied = [w for w, c in zip(workers, costs) if c - best < 1e-9]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+class LoadTracker:
+    def __init__(self) -> None:
+        self._load: dict[tuple[str, Stage], _Load] = {}
+
+    def acquire(self, worker_id: str, stage: Stage, blocks: int = 0) -> None:
+        if stage not in STAGES:
+            raise ValueError(f"unknown stage {stage!r}")
+        load = self._load.get((worker_id, stage))
+        if load is None:
+            load = self._load[(worker_id, stage)] = _Load()
+        load.requests += 1
+        load.blocks += blocks
+
+    def release(self, worker_id: str, stage: Stage, blocks: int = 0) -> None:
+        load = self._load.get((worker_id, stage))
+        if load is None:  # forgotten while reserved (the worker left the pool)
+            return
+        load.requests -= 1
+        load.blocks -= blocks
+        if load.requests == 0:
+            del self._load[(worker_id, stage)]
+
+    @contextlib.contextmanager
+    def reserve(self, worker_id: str, stage: Stage, blocks: int = 0) -> Iterator[None]:
+        """Hold `blocks` of `stage` load on `worker_id` for the `with` body."""
+        self.acquire(worker_id, stage, blocks)
+        try:
+            yield
+        finally:
+            self.release(worker_id, stage, blocks)
+
+    def requests(self, worker_id: str, stage: Stage | None = None) -> int:
+        stages = STAGES if stage is None else (stage,)
+        return sum(ld.requests for s in stages if (ld := self._load.get((worker_id, s))) is not None)
+
+    def blocks(self, worker_id: str, stage: Stage) -> int:
+        ld = self._load.get((worker_id, stage))
+        return ld.blocks if ld is not None else 0
+
+    def total_requests(self) -> int:
+        return sum(ld.requests for ld in self._load.values())

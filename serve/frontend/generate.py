@@ -21,11 +21,11 @@ import httpx
 import msgspec
 
 from serve import protocol as p
-from serve.errors import NoWorkerAvailable, WorkerError
+from serve.errors import WorkerError
 from serve.frontend.metrics import FrontendMetrics
 from kvtransfer.protocol import TransferParams
 from serve.frontend.pool import WorkerEntry, WorkerPool
-from serve.frontend.routing import Plan, Routing
+from serve.frontend.routing import RoutePlan, Routing
 from serve.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.frontend")
@@ -69,24 +69,20 @@ class Generation:
         body = p.encode(p.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
                                           kv_transfer=kv_transfer))
         detok = IncrementalDetokenizer(self.tokenizer, stop)
-        roles = ("agg",) if plan.reason == "agg" else ("decode",)
         tried: set[str] = set()
-        first = plan.decode
-        blocks = plan.prompt_blocks
+        worker = plan.decode
         while True:
-            worker = first if first is not None else self._pick(tried, roles)
-            first = None
             tried.add(worker.url)
-            self.routing.inflight_decode_blocks[worker.url] = self.routing.inflight_decode_blocks.get(worker.url, 0) + blocks
             started = False
             try:
-                async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids)):
-                    started = True
-                    if event.finish_reason is not None and prefill_cached is not None:
-                        # The decode engine counts transferred tokens as cached; the client's
-                        # cached tokens are the prefill engine's prefix-cache hits.
-                        event.cached_tokens = prefill_cached
-                    yield event
+                with self.routing.load.reserve(worker.url, "decode", plan.prompt_blocks):
+                    async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids)):
+                        started = True
+                        if event.finish_reason is not None and prefill_cached is not None:
+                            # The decode engine counts transferred tokens as cached; the client's
+                            # cached tokens are the prefill engine's prefix-cache hits.
+                            event.cached_tokens = prefill_cached
+                        yield event
                 return
             except httpx.ConnectError as exc:
                 # Nothing reached the engine: another worker may take it.
@@ -94,16 +90,9 @@ class Generation:
                 log.warning("request %s: worker %s unreachable (%s)", request_id, worker.url, exc)
                 if started:
                     raise WorkerError(f"worker {worker.url} unreachable") from exc
-            finally:
-                self.routing.inflight_decode_blocks[worker.url] -= blocks
+            worker = self.routing.next_worker(plan.decode_roles, tried, len(prompt_ids))
 
-    def _pick(self, tried: set[str], roles: tuple[str, ...]) -> WorkerEntry:
-        candidates = [w for w in self.pool.available(roles) if w.url not in tried]
-        if not candidates:
-            raise NoWorkerAvailable("no worker available")
-        return min(candidates, key=lambda w: w.inflight)
-
-    def _observe_plan(self, plan: Plan) -> None:
+    def _observe_plan(self, plan: RoutePlan) -> None:
         m = self.metrics
         pd, dd = plan.prefill_decision, plan.decode_decision
         if pd is not None:
@@ -113,21 +102,30 @@ class Generation:
             m.router_decisions.labels("decode", dd.worker_id).inc()
         m.paths.labels(plan.reason).inc()
 
-    async def _prefill(self, plan: Plan, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
+    async def _prefill(self, plan: RoutePlan, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
                        deadline: float) -> tuple[TransferParams, int] | None:
         """Run the prompt on the prefill worker and return its transfer params; on any failure
         (error, timeout, unreachable) count a fallback and return None: the decode worker then
         runs the prefill itself."""
         worker = plan.prefill
-        assert worker is not None
-        blocks = plan.prompt_blocks
-        self.routing.inflight_prefill_blocks[worker.url] = self.routing.inflight_prefill_blocks.get(worker.url, 0) + blocks
-        worker.inflight += 1
+        if worker is None:
+            raise ValueError("a prefill stage without a prefill worker")
+        with self.routing.load.reserve(worker.url, "prefill", plan.prompt_blocks):
+            reason = await self._prefill_on(worker, request_id, prompt_ids, sampling, deadline)
+        if isinstance(reason, tuple):
+            return reason
+        log.warning("request %s: prefill on %s failed (%s); decode worker prefills locally",
+                    request_id, worker.url, reason)
+        self.metrics.prefill_fallbacks.labels(reason).inc()
+        return None
+
+    async def _prefill_on(self, worker: WorkerEntry, request_id: str, prompt_ids: list[int],
+                          sampling: p.SamplingOptions, deadline: float) -> tuple[TransferParams, int] | str:
+        """The transfer params and cached tokens of a prefill, or why it failed."""
         body = p.encode(p.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, remote_decode=True,
             sampling=msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0)))
         timeout = max(0.1, min(self.prefill_timeout_s, deadline - time.monotonic()))
-        reason = None
         try:
             async with asyncio.timeout(timeout):
                 r = await self.client.post(f"{worker.url}/generate", content=body,
@@ -147,26 +145,18 @@ class Generation:
                     raise WorkerError("prefill finished without KV transfer params")
                 return params, cached
         except TimeoutError:
-            reason = "timeout"
+            return "timeout"
         except httpx.ConnectError:
-            reason = "unreachable"
             self.pool.report_failure(worker.url)
+            return "unreachable"
         except (WorkerError, httpx.HTTPError, msgspec.DecodeError) as exc:
-            reason = "error"
             if not isinstance(exc, WorkerError):
                 self.pool.report_failure(worker.url)
             log.warning("request %s: prefill on %s failed: %s", request_id, worker.url, exc)
-        finally:
-            worker.inflight -= 1
-            self.routing.inflight_prefill_blocks[worker.url] -= blocks
-        log.warning("request %s: prefill on %s failed (%s); decode worker prefills locally",
-                    request_id, worker.url, reason)
-        self.metrics.prefill_fallbacks.labels(reason).inc()
-        return None
+            return "error"
 
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,
                       deadline: float, n_prompt: int) -> AsyncIterator[TextEvent]:
-        worker.inflight += 1
         finished = False
         completion = 0
         cached = 0
@@ -226,7 +216,6 @@ class Generation:
                     if text:
                         yield TextEvent(text)
         finally:
-            worker.inflight -= 1
             if not finished:
                 await self._abort(worker, request_id)
             elif detok.stopped:

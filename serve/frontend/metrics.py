@@ -41,8 +41,10 @@ class FrontendMetrics:
         self.router_cached_ratio = Histogram(
             "pdserve_router_cached_token_ratio", "Share of the prompt's blocks cached on the chosen prefill worker",
             buckets=(0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0), registry=r)
-        self.worker_kv_usage = Gauge("pdserve_worker_kv_usage_ratio", "KV usage per worker (polled)", ["worker", "role"],
-                                     registry=r)
+        # The worker's own gauge is pdserve_worker_kv_usage_ratio{role}; this is the frontend's
+        # polled copy, one series per worker.
+        self.worker_kv_usage = Gauge("pdserve_frontend_worker_kv_usage_ratio", "KV usage per worker (polled)",
+                                     ["worker", "role"], registry=r)
         self.worker_active_blocks = Gauge("pdserve_worker_active_blocks", "Active KV blocks per worker (polled)",
                                           ["worker", "role"], registry=r)
         self.workers = Gauge("pdserve_frontend_workers", "Workers in rotation", ["role"], registry=r)

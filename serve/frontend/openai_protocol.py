@@ -7,7 +7,6 @@ prompts) are refused with a 400 naming the field.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -110,16 +109,3 @@ def parse(model: type[BaseModel], body: Any) -> Any:
         loc = ".".join(str(x) for x in err.get("loc", ()))
         raise APIError(400, f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")),
                        "invalid_request_error", loc or None) from None
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def now() -> int:
-    return int(time.time())

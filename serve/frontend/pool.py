@@ -11,15 +11,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import random
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import httpx
 
-from router.load import WorkerLoadView, pick_least_loaded
+from router.filters import WorkerView
 from serve import protocol as p
-from serve.errors import NoWorkerAvailable
 
 log = logging.getLogger("pdserve.frontend.pool")
 
@@ -32,26 +31,40 @@ class WorkerEntry:
     lease_expiry: float = float("inf")
     healthy: bool = False
     failures: int = 0
-    inflight: int = 0
     load: p.WorkerLoad | None = None
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    @property
+    def leased(self) -> bool:
+        return self.healthy and self.info is not None and self.clock() < self.lease_expiry
+
+    @property
+    def draining(self) -> bool:
+        return self.load is not None and self.load.draining
 
     @property
     def in_rotation(self) -> bool:
-        return (self.healthy and self.info is not None and time.monotonic() < self.lease_expiry
-                and not (self.load is not None and self.load.draining))
+        return self.leased and not self.draining
+
+    def view(self) -> WorkerView:
+        """What the router's filter stage knows of this worker."""
+        info = self.info
+        return WorkerView(self.url, info.role if info else "", in_rotation=self.leased, draining=self.draining,
+                          block_size=info.block_size if info else 0,
+                          kv_cache_dtype=info.kv_cache_dtype if info else "auto")
 
 
 class WorkerPool:
     def __init__(self, served_model_name: str, static_urls: list[str], poll_interval_s: float,
-                 max_failures: int, client: httpx.AsyncClient) -> None:
+                 max_failures: int, client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic) -> None:
         self.served_model_name = served_model_name
         self.poll_interval_s = poll_interval_s
         self.max_failures = max_failures
         self.client = client
+        self.clock = clock
         self.workers: dict[str, WorkerEntry] = {
-            u.rstrip("/"): WorkerEntry(url=u.rstrip("/"), static=True) for u in static_urls
+            u.rstrip("/"): WorkerEntry(url=u.rstrip("/"), static=True, clock=clock) for u in static_urls
         }
-        self.rng = random.Random()
         self._poller: asyncio.Task | None = None
         self._decode_info = p.decoder(p.WorkerInfo)
         self._decode_load = p.decoder(p.WorkerLoad)
@@ -78,14 +91,14 @@ class WorkerPool:
         url = info.url.rstrip("/")
         entry = self.workers.get(url)
         if entry is None:
-            entry = self.workers[url] = WorkerEntry(url=url)
+            entry = self.workers[url] = WorkerEntry(url=url, clock=self.clock)
             log.info("worker %s (%s) registered at %s", info.worker_id, info.role, url)
         elif entry.info is not None and entry.info.worker_id != info.worker_id:
             log.info("worker at %s restarted as %s", url, info.worker_id)
             entry.failures = 0
         entry.info = info
         if not entry.static:
-            entry.lease_expiry = time.monotonic() + reg.lease_seconds
+            entry.lease_expiry = self.clock() + reg.lease_seconds
         if not entry.healthy and entry.failures == 0:
             entry.healthy = True
         return p.RegistrationReply(accepted=True)
@@ -108,7 +121,7 @@ class WorkerPool:
             await self.poll_once()
 
     async def poll_once(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         for url, entry in list(self.workers.items()):
             if not entry.static and now > entry.lease_expiry + 3 * self.poll_interval_s + 30:
                 log.info("worker at %s dropped: lease expired", url)
@@ -163,19 +176,3 @@ class WorkerPool:
     def seeds_supported(self) -> bool:
         """False if any worker in rotation cannot serve a seeded request."""
         return all(e.info.seeds for e in self.available() if e.info is not None)
-
-    def pick(self, roles: tuple[str, ...] | None = None) -> WorkerEntry:
-        entries = self.available(roles)
-        if not entries:
-            raise NoWorkerAvailable("no worker available")
-        views = [
-            WorkerLoadView(
-                worker_id=e.url,
-                inflight=e.inflight,
-                waiting=e.load.waiting_requests if e.load else 0,
-                kv_usage=e.load.kv_usage if e.load else 0.0,
-            )
-            for e in entries
-        ]
-        chosen = pick_least_loaded(views, self.rng)
-        return self.workers[chosen.worker_id]

@@ -1,25 +1,34 @@
 """Where a request runs: the frontend's glue between its worker pool and the PrefillRouter.
 
-With prefill workers in rotation a request is split: the router picks a prefill worker (KV
-overlap and load) and a decode worker (load). With `conditional_disagg_tokens` N > 0, a
-prompt whose uncached part on the chosen decode worker is below N tokens skips the prefill
-stage. Decode workers without any prefill worker run prefill locally (a fallback); with only
-aggregated workers the request runs on the least-loaded one (aggregated mode).
+Routing is filter -> scorers -> one picker (see `router/`): the pool's workers become
+`WorkerView`s, the filter stage drops those out of rotation, draining, of the wrong role,
+already tried, or whose KV layout cannot exchange blocks with the other stage's worker;
+the router scores the rest with what the pool polled and what the load tracker holds.
+
+With prefill workers in rotation a request is split: the router picks a decode worker (load)
+and a prefill worker (KV overlap and load). With `conditional_disagg_tokens` N > 0, a prompt
+whose uncached part on the chosen decode worker is below N tokens skips the prefill stage.
+Decode workers without any (compatible) prefill worker run prefill locally (a fallback);
+with only aggregated workers the request runs on the least-loaded one (aggregated mode).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from router.errors import NoCandidates
+from router.filters import compatible_with, eligible
+from router.load import LoadTracker
 from router.router import Candidate, Decision, PrefillRouter
+from serve import protocol as p
 from serve.errors import NoWorkerAvailable
 from serve.frontend.pool import WorkerEntry, WorkerPool
 from serve.frontend.settings import FrontendSettings
 
 
 @dataclass
-class Plan:
+class RoutePlan:
     decode: WorkerEntry
     prefill: WorkerEntry | None = None
     hashes: list[int] = field(default_factory=list)
@@ -32,15 +41,35 @@ class Plan:
     def is_fallback(self) -> bool:
         return self.reason == "no-prefill-worker"
 
+    @property
+    def decode_roles(self) -> tuple[str, ...]:
+        return ("agg",) if self.reason == "agg" else ("decode",)
+
+
+Plan = RoutePlan  # the name before the planner's Plan existed
+
 
 class Routing:
-    def __init__(self, settings: FrontendSettings, pool: WorkerPool) -> None:
+    def __init__(self, settings: FrontendSettings, pool: WorkerPool, load: LoadTracker | None = None) -> None:
         self.settings = settings
         self.pool = pool
+        self.load = load or LoadTracker()
         self.router = PrefillRouter(settings.block_size, settings.router_mode, settings.kv_overlap_score_weight,
                                     settings.router_temperature, settings.use_kv_events)
-        self.inflight_prefill_blocks: dict[str, int] = {}
-        self.inflight_decode_blocks: dict[str, int] = {}
+
+    # -- filter stage -----------------------------------------------------------------
+    def eligible(self, roles: Collection[str], exclude: Collection[str] = ()) -> list[WorkerEntry]:
+        views = eligible((e.view() for e in self.pool.workers.values()), roles, exclude)
+        return [self.pool.workers[v.worker_id] for v in views]
+
+    def _candidate(self, e: WorkerEntry) -> Candidate:
+        load = e.load
+        return Candidate(e.url,
+                         inflight_prefill_blocks=self.load.blocks(e.url, "prefill"),
+                         active_blocks=(load.active_blocks if load else 0) + self.load.blocks(e.url, "decode"),
+                         queued_requests=load.waiting_requests if load else 0,
+                         inflight_requests=self.load.requests(e.url),
+                         kv_usage=load.kv_usage if load else 0.0)
 
     def _block_size(self) -> int:
         for e in self.pool.available():
@@ -48,53 +77,61 @@ class Routing:
                 return e.info.block_size
         return self.settings.block_size
 
-    def plan(self, prompt_ids: list[int], dry_run: bool = False) -> Plan:
+    # -- decisions --------------------------------------------------------------------
+    def plan(self, prompt_ids: list[int], dry_run: bool = False) -> RoutePlan:
         bs = self._block_size()
         if bs != self.router.block_size:  # workers decide the block size; the index follows
             self.router.block_size = self.router.index.block_size = bs
-        prefill = self.pool.available(("prefill",))
-        decode = self.pool.available(("decode",))
+        prefill = self.eligible(("prefill",))
+        decode = self.eligible(("decode",))
+        n = len(prompt_ids)
         if not decode:
-            agg = self.pool.available(("agg",))
+            agg = self.eligible(("agg",))
             if not agg:
                 raise NoWorkerAvailable("no worker available" if not prefill else "no decode worker available")
-            return Plan(decode=self.pool.pick(("agg",)), reason="agg")
+            d = self.router.route_agg([self._candidate(e) for e in agg], n)
+            return RoutePlan(decode=self.pool.workers[d.worker_id], prompt_blocks=d.prompt_blocks, reason="agg")
         hashes = self.router.hashes(prompt_ids)
-        n = len(prompt_ids)
-        cands = [Candidate(e.url, active_blocks=(e.load.active_blocks if e.load else 0)
-                           + self.inflight_decode_blocks.get(e.url, 0),
-                           queued_requests=e.load.waiting_requests if e.load else 0) for e in decode]
         try:
-            dd = self.router.route_decode(hashes, cands, n)
+            dd = self.router.route_decode(hashes, [self._candidate(e) for e in decode], n)
         except NoCandidates as exc:
             raise NoWorkerAvailable(str(exc)) from None
-        plan = Plan(decode=self.pool.workers[dd.worker_id], hashes=hashes, prompt_blocks=dd.prompt_blocks,
-                    decode_decision=dd)
+        chosen = self.pool.workers[dd.worker_id]
+        plan = RoutePlan(decode=chosen, hashes=hashes, prompt_blocks=dd.prompt_blocks, decode_decision=dd)
         threshold = self.settings.conditional_disagg_tokens
         uncached = n - dd.overlap_blocks * bs
         if threshold > 0 and uncached < threshold:
             plan.reason = "conditional"
             return plan
+        views = compatible_with((e.view() for e in prefill), chosen.view())
+        prefill = [self.pool.workers[v.worker_id] for v in views]
         if not prefill:
             plan.reason = "no-prefill-worker"
             return plan
-        pc = [Candidate(e.url, inflight_prefill_blocks=self.inflight_prefill_blocks.get(e.url, 0)) for e in prefill]
-        pd = self.router.route_prefill(hashes, pc, n, record=not dry_run)
+        pd = self.router.route_prefill(hashes, [self._candidate(e) for e in prefill], n, record=not dry_run)
         plan.prefill = self.pool.workers[pd.worker_id]
         plan.prefill_decision = pd
         plan.reason = "disagg"
         return plan
 
-    def explain(self, prompt_ids: list[int]) -> dict:
+    def next_worker(self, roles: Collection[str], tried: Collection[str], num_tokens: int = 0) -> WorkerEntry:
+        """A retry's worker: the least loaded of `roles` not yet tried."""
+        entries = self.eligible(roles, exclude=tried)
+        if not entries:
+            raise NoWorkerAvailable("no worker available")
+        d = self.router.route_agg([self._candidate(e) for e in entries], num_tokens)
+        return self.pool.workers[d.worker_id]
+
+    def explain(self, prompt_ids: list[int]) -> p.ExplainReply:
         plan = self.plan(prompt_ids, dry_run=True)
 
-        def stage(d: Decision | None, chosen: WorkerEntry | None) -> dict | None:
+        def stage(d: Decision | None, chosen: WorkerEntry | None) -> p.ExplainStage | None:
             if d is None:
-                return {"chosen": chosen.url, "workers": []} if chosen is not None else None
-            return {"chosen": d.worker_id, "cached_ratio": d.cached_ratio,
-                    "workers": [{"worker": s.worker_id, "overlap_blocks": s.overlap_blocks, "load": s.load,
-                                 "cost": s.cost} for s in d.scores]}
+                return p.ExplainStage(chosen=chosen.url, workers=[]) if chosen is not None else None
+            return p.ExplainStage(chosen=d.worker_id, cached_ratio=d.cached_ratio, workers=[
+                p.ExplainScore(worker=s.worker_id, overlap_blocks=s.overlap_blocks, load=s.load, cost=s.cost)
+                for s in d.scores])
 
-        return {"prompt_tokens": len(prompt_ids), "prompt_blocks": plan.prompt_blocks, "mode": self.router.mode,
-                "path": plan.reason, "prefill": stage(plan.prefill_decision, plan.prefill),
-                "decode": stage(plan.decode_decision, plan.decode)}
+        return p.ExplainReply(prompt_tokens=len(prompt_ids), prompt_blocks=plan.prompt_blocks, mode=self.router.mode,
+                              path=plan.reason, prefill=stage(plan.prefill_decision, plan.prefill),
+                              decode=stage(plan.decode_decision, plan.decode))

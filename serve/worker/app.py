@@ -1,14 +1,15 @@
-"""The worker process: one vLLM AsyncLLM engine behind a small HTTP API.
+"""The worker role: one engine behind the worker protocol's HTTP API.
 
 Endpoints (all JSON, msgspec-typed messages from `serve.protocol`):
     POST /generate   GenerateRequest -> NDJSON stream of TokenDelta (token ids in, token ids out)
-    POST /abort      AbortRequest
+    POST /abort      AbortRequest -> AbortReply
     GET  /info       WorkerInfo          GET /load   WorkerLoad
     GET  /health     200 when the engine answers, 503 otherwise (readiness)
     GET  /live       200 while the process serves HTTP and its engine core lives (liveness; sends
                      the engine nothing)
     POST /internal/drain?timeout=S&settle=S   out of rotation, then wait for in-flight requests
-    GET  /metrics    vLLM's own `vllm:*` metrics plus `pdserve_worker_*`
+    GET  /metrics    vLLM's own `vllm:*` metrics plus `pdserve_worker_*` and `pdserve_kv_*`
+Every error body is an `ErrorReply`.
 
 A client that closes its stream aborts the request in the engine. The worker may import
 vLLM (through `serve.engine`), never the frontend.
@@ -23,105 +24,36 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import REGISTRY as VLLM_REGISTRY
+from prometheus_client import generate_latest
 
-from serve import discovery
-from serve.auth import Gate, token_headers
 from serve import protocol as p
+from serve.auth import Gate, token_headers
 from serve.drain import drain_params, wait_idle
 from serve.engine import EngineStats, seeds_supported, start_engine
 from serve.http import DisconnectAwareStreamingResponse
+from serve.worker.metrics import WorkerMetrics
+from serve.worker.registration import WorkerRegistration
+from serve.worker.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
 
 HEALTH_TIMEOUT_S = 10.0
-# How long leaving rotation waits for the registration task to stop: longer than one renewal
-# (DNS lookup or POST, 5 s each), so a renewal in flight ends before the deregistration.
-REGISTER_STOP_S = 11.0
+JSON = "application/json"
 
 
-@dataclass
-class WorkerSettings:
-    role: p.Role = "agg"
-    host: str = "127.0.0.1"
-    port: int = 8100
-    advertise_host: str | None = None
-    frontends: list[str] = field(default_factory=list)
-    lease_seconds: float = 10.0
-    worker_id: str | None = None
-    model: str = ""
-    served_model_name: str = ""
-    graceful_timeout_s: float = 30.0
-    drain_settle_s: float = 0.0
-    cluster_token: str | None = None
-    auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/live", "/metrics"])
-    kv_transfer: bool = False
-    kv_events_endpoint: str | None = None
-
-    @property
-    def url(self) -> str:
-        host = self.advertise_host or self.host
-        if host in ("0.0.0.0", "::"):
-            host = "127.0.0.1"
-        return f"http://{host}:{self.port}"
+def reply(msg: msgspec.Struct, status: int = 200) -> Response:
+    return Response(p.encode(msg), status_code=status, media_type=JSON)
 
 
-class WorkerMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.held_blocks_now = 0  # KV blocks a prefill worker holds for remote decodes
-        self.requests = Counter(
-            "pdserve_worker_requests", "Generate requests by outcome", ["role", "outcome"], registry=self.registry
-        )
-        self.active = Gauge("pdserve_worker_active_requests", "Requests in this worker", ["role"], registry=self.registry)
-        self.kv_usage = Gauge("pdserve_worker_kv_usage_ratio", "KV cache usage (0-1)", ["role"], registry=self.registry)
-        self.queue = Gauge("pdserve_worker_queued_requests", "Requests waiting in the scheduler", ["role"], registry=self.registry)
-        self.tokens = Counter(
-            "pdserve_worker_generated_tokens", "Output tokens generated", ["role"], registry=self.registry
-        )
-        r = self.registry
-        self.kv_reads = Counter("pdserve_kv_reads", "Completed KV READs (one per request)", registry=r)
-        self.kv_blocks = Counter("pdserve_kv_blocks_transferred", "KV blocks read from prefill engines", registry=r)
-        self.kv_bytes = Counter("pdserve_kv_bytes_transferred", "KV bytes read from prefill engines", registry=r)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_duration_seconds", "Duration of one request's KV READ",
-                                    buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 5),
-                                    registry=r)
-        self.kv_gbps = Gauge("pdserve_kv_transfer_gbps", "Achieved GB/s of the last KV READs", registry=r)
-        self.kv_failures = Counter("pdserve_kv_transfer_failures", "KV loads that failed", registry=r)
-        self.kv_expiries = Counter("pdserve_kv_lease_expiries", "Held requests freed unread by lease", registry=r)
-        self.kv_recomputes = Counter("pdserve_kv_recomputes", "Requests recomputed locally after a failed load",
-                                     registry=r)
-        self.kv_held_requests = Counter("pdserve_kv_held_requests", "Requests whose blocks were held for a remote decode",
-                                        registry=r)
-        self.kv_released = Counter("pdserve_kv_blocks_released", "Held blocks released by their reader", registry=r)
-        self.kv_held_blocks = Gauge("pdserve_kv_held_blocks", "Blocks held for remote decodes now", registry=r)
-
-    def observe_kv(self, d: dict) -> None:
-        """Fold one kvtransfer stats report (kvtransfer.stats) into the metrics."""
-        self.kv_reads.inc(d.get("reads", 0))
-        self.kv_blocks.inc(d.get("blocks_read", 0))
-        self.kv_bytes.inc(d.get("bytes_read", 0))
-        for secs in d.get("read_seconds", []):
-            self.kv_seconds.observe(secs)
-        secs, nbytes = sum(d.get("read_seconds", [])), sum(d.get("read_bytes", []))
-        if secs > 0:
-            self.kv_gbps.set(nbytes / secs / 1e9)
-        self.kv_failures.inc(d.get("failures", 0))
-        self.kv_expiries.inc(d.get("lease_expiries", 0))
-        self.kv_recomputes.inc(d.get("recomputes", 0))
-        self.kv_held_requests.inc(d.get("requests_held", 0))
-        self.kv_released.inc(d.get("blocks_released", 0))
-        if d.get("held_blocks") is not None:
-            self.kv_held_blocks.set(d["held_blocks"])
-            self.held_blocks_now = int(d["held_blocks"])
+def error(message: str, status: int) -> Response:
+    return reply(p.ErrorReply(message), status)
 
 
 class Worker:
@@ -138,9 +70,8 @@ class Worker:
         self.draining = False
         self.info: p.WorkerInfo | None = None
         self._http: httpx.AsyncClient | None = None
-        self._register_task: asyncio.Task | None = None
-        self._registered: set[str] = set()
-        self._unresolved: set[str] = set()
+        self.registration = WorkerRegistration(settings.frontends, settings.lease_seconds, lambda: self.info,
+                                               lambda: self._http)
         self._decode_generate = p.decoder(p.GenerateRequest)
         self._decode_abort = p.decoder(p.AbortRequest)
 
@@ -169,8 +100,7 @@ class Worker:
                  self.worker_id, time.monotonic() - t0, self.settings.url,
                  self.info.max_model_len, self.info.block_size)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=token_headers(self.settings.cluster_token))
-        if self.settings.frontends:
-            self._register_task = asyncio.create_task(self._register_loop())
+        self.registration.start()
 
     async def stop(self) -> None:
         await self._leave_rotation()
@@ -184,77 +114,23 @@ class Worker:
             with contextlib.suppress(OSError):
                 os.unlink(ev[len("ipc://"):])
 
-    async def _frontend_urls(self) -> list[str]:
-        urls: list[str] = []
-        for entry in self.settings.frontends:
-            found = await discovery.expand(entry)
-            if not found and entry not in self._unresolved:
-                log.warning("frontend %s resolves to no address (yet); retrying each renewal", entry)
-            (self._unresolved.add if not found else self._unresolved.discard)(entry)
-            urls += [u for u in found if u not in urls]
-        return urls
-
-    async def _register_loop(self) -> None:
-        assert self.info is not None and self._http is not None
-        body = p.encode(p.Registration(info=self.info, lease_seconds=self.settings.lease_seconds))
-        interval = max(self.settings.lease_seconds / 3.0, 0.2)
-        failing: set[str] = set()
-        while not self.draining:  # and cancelled: either one stops the renewals
-            for url in await self._frontend_urls():
-                if self.draining:
-                    return
-                try:
-                    r = await self._http.post(f"{url}/internal/register", content=body,
-                                              headers={"content-type": "application/json"})
-                    if r.status_code != 200:
-                        raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
-                    if url not in self._registered:
-                        log.info("registered with frontend %s", url)
-                    self._registered.add(url)
-                    failing.discard(url)
-                except Exception as exc:  # keep renewing whatever happens to one frontend
-                    if url not in failing:
-                        log.warning("registration with frontend %s failed: %s", url, exc)
-                    failing.add(url)
-            await asyncio.sleep(interval)
-
-    async def _deregister(self) -> None:
-        assert self._http is not None
-        urls = set(self._registered) | set(await self._frontend_urls())
-        for url in sorted(urls):
-            with contextlib.suppress(Exception):
-                await self._http.post(f"{url}/internal/deregister",
-                                      content=p.encode(p.AbortRequest(request_id=self.worker_id)),
-                                      headers={"content-type": "application/json"}, timeout=2.0)
-        self._registered.clear()
-
     async def _leave_rotation(self) -> None:
         """Stop renewing and deregister (idempotent): the frontends route nothing new here."""
         self.draining = True
-        task, self._register_task = self._register_task, None
-        if task is not None:
-            task.cancel()
-            # Bounded: shutdown never waits on a renewal stuck in a frontend's connect.
-            done, _ = await asyncio.wait({task}, timeout=REGISTER_STOP_S)
-            if not done:
-                log.warning("registration task still running %.0f s after its cancel", REGISTER_STOP_S)
-            elif not task.cancelled() and task.exception() is not None:
-                log.warning("registration task failed: %r", task.exception())
-        if self._http is not None:
-            await self._deregister()
+        await self.registration.stop(self.worker_id)
 
     async def drain(self, request: Request) -> Response:
         try:
             timeout, settle = drain_params(request, self.settings.graceful_timeout_s, self.settings.drain_settle_s)
         except ValueError as exc:
-            return JSONResponse({"error": str(exc)}, status_code=400)
+            return error(str(exc), 400)
         log.info("drain: leaving rotation, %d request(s) in flight (timeout %.0fs)", self.active, timeout)
         await self._leave_rotation()
         # A prefill worker also waits for the blocks it holds to be read (or their lease to end),
         # so a decode worker is not left reading from a process that is going away.
         idle, waited = await wait_idle(lambda: self.active + self.metrics.held_blocks_now, timeout, settle)
         log.info("drain: %s after %.1fs", "idle" if idle else f"{self.active} request(s) still in flight", waited)
-        return JSONResponse({"drained": idle, "active_requests": self.active, "waited_s": round(waited, 3)})
+        return reply(p.DrainReply(drained=idle, active_requests=self.active, waited_s=round(waited, 3)))
 
     async def live(self) -> Response:
         """Liveness: the process serves HTTP and its engine has not died. A dead engine core
@@ -268,21 +144,17 @@ class Worker:
         try:
             req = self._decode_generate(await request.body())
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return JSONResponse({"error": f"invalid generate request: {exc}"}, status_code=400)
+            return error(f"invalid generate request: {exc}", 400)
         if req.protocol_version != p.PROTOCOL_VERSION:
-            return JSONResponse(
-                {"error": f"protocol version {req.protocol_version} != worker's {p.PROTOCOL_VERSION}"},
-                status_code=400,
-            )
+            return error(f"protocol version {req.protocol_version} != worker's {p.PROTOCOL_VERSION}", 400)
         if self.draining or self.engine is None:
-            return JSONResponse({"error": "worker is draining"}, status_code=503)
+            return error("worker is draining", 503)
         if not req.prompt_token_ids:
-            return JSONResponse({"error": "empty prompt"}, status_code=400)
+            return error("empty prompt", 400)
         if req.sampling.seed is not None and self.info is not None and not self.info.seeds:
-            return JSONResponse({"error": SEED_UNSUPPORTED}, status_code=400)
+            return error(SEED_UNSUPPORTED, 400)
         if (req.remote_decode or req.kv_transfer is not None) and not self.settings.kv_transfer:
-            return JSONResponse({"error": f"this {self.settings.role} worker has no KV transfer configured"},
-                                status_code=400)
+            return error(f"this {self.settings.role} worker has no KV transfer configured", 400)
         return DisconnectAwareStreamingResponse(self._stream(req), media_type="application/x-ndjson")
 
     def _sampling_params(self, req: p.GenerateRequest) -> Any:
@@ -368,19 +240,19 @@ class Worker:
         try:
             req = self._decode_abort(await request.body())
         except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            return JSONResponse({"error": f"invalid abort request: {exc}"}, status_code=400)
+            return error(f"invalid abort request: {exc}", 400)
         if self.engine is not None:
             try:
                 async with asyncio.timeout(HEALTH_TIMEOUT_S):
                     await self.engine.abort(req.request_id)
             except TimeoutError:
-                return JSONResponse({"error": "engine did not acknowledge the abort in time"}, status_code=504)
-        return JSONResponse({"aborted": req.request_id})
+                return error("engine did not acknowledge the abort in time", 504)
+        return reply(p.AbortReply(req.request_id))
 
     async def reset_prefix_cache(self) -> Response:
         """Drop the engine's prefix cache (benchmarks and tests that need a cold cache)."""
         if self.engine is None:
-            return JSONResponse({"error": "no engine"}, status_code=503)
+            return error("no engine", 503)
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
             ok = await self.engine.reset_prefix_cache()
         return JSONResponse({"reset": bool(ok) if ok is not None else True})
@@ -405,7 +277,7 @@ class Worker:
     async def get_load(self) -> Response:
         # The frontends poll this: a dead engine core must fail the poll, or they keep routing here.
         if self.engine_dead():
-            return JSONResponse({"error": "engine core is dead"}, status_code=503)
+            return error("engine core is dead", 503)
         return Response(p.encode(self.load()), media_type="application/json")
 
     async def health(self) -> Response:
