@@ -83,7 +83,7 @@ class Child:
 
     def __init__(self, name: str, cmd: list[str], log_path: str | os.PathLike | None = None, *,
                  env: dict[str, str] | None = None, cwd: str | os.PathLike | None = None,
-                 stdout: IO | int | None = None) -> None:
+                 stdout: IO | int | None = None, pass_fds: tuple[int, ...] = ()) -> None:
         self.name = name
         self.log_path = Path(log_path) if log_path is not None else None
         self._log: IO | None = None
@@ -93,7 +93,7 @@ class Child:
             stdout = self._log
         self.popen = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=stdout,
                                       stderr=subprocess.STDOUT if stdout is not None else None,
-                                      stdin=subprocess.DEVNULL, start_new_session=True)
+                                      stdin=subprocess.DEVNULL, start_new_session=True, pass_fds=pass_fds)
 
     @property
     def pid(self) -> int:

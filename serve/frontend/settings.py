@@ -1,8 +1,13 @@
-"""Typed settings of the frontend role (from CLI flags; every default shown in --help)."""
+"""Typed settings of the frontend role, and the flags of `pdserve frontend` that make them
+(every default shown in --help)."""
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass, field
+
+from serve import flags
+from serve.errors import PdserveError
 
 
 @dataclass
@@ -36,3 +41,52 @@ class FrontendSettings:
     conditional_disagg_tokens: int = 0
     prefill_timeout_s: float = 60.0
     block_size: int = 128
+
+    @staticmethod
+    def add_arguments(f: argparse.ArgumentParser) -> None:
+        f.add_argument("--host", default=flags.DEFAULT_HOST, help="bind address (default: 127.0.0.1; env PDSERVE_HOST)")
+        f.add_argument("--port", type=int, default=8000, help="HTTP port (default: 8000)")
+        f.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)  # a socket `pdserve up` bound
+        f.add_argument("--worker", action="append", default=[], metavar="URL",
+                       help="static worker URL (repeatable); workers may also register themselves")
+        f.add_argument("--request-timeout", type=float, default=600.0,
+                       help="seconds a request may take in all (default: 600)")
+        f.add_argument("--worker-read-timeout", type=float, default=120.0,
+                       help="seconds to wait for the next token from a worker (default: 120)")
+        f.add_argument("--graceful-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM and `pdserve drain` wait for in-flight requests (default: 30)")
+        f.add_argument("--max-concurrent-requests", type=int, default=512,
+                       help="requests served at once; more wait in the admission queue (default: 512)")
+        f.add_argument("--max-queued-requests", type=int, default=512,
+                       help="requests waiting for a slot; beyond that, 429 with Retry-After (default: 512)")
+        f.add_argument("--queue-timeout", type=float, default=60.0,
+                       help="seconds a request may wait for a slot before a 504 (default: 60)")
+        f.add_argument("--api-key", action="append", default=flags.env_list("PDSERVE_API_KEY"), metavar="KEY",
+                       help="require `Authorization: Bearer KEY` on the OpenAI endpoints (repeatable; env "
+                            "PDSERVE_API_KEY, comma-separated); without it they are open")
+        flags.add_tokens(f)
+        f.add_argument("--drain-settle", type=float, default=0.0,
+                       help="seconds `pdserve drain` keeps serving after leaving readiness, for load balancers "
+                            "to notice (default: 0; the Kubernetes manifests use 5)")
+        flags.add_router(f)
+        flags.add_model(f)
+        flags.add_log_level(f)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model: str, served_model_name: str) -> FrontendSettings:
+        """Validated settings; `model` is the resolved model directory."""
+        if args.graceful_timeout < 0 or args.drain_settle < 0 or args.queue_timeout < 0:
+            raise PdserveError("--graceful-timeout, --drain-settle and --queue-timeout must be >= 0")
+        if args.max_concurrent_requests < 1 or args.max_queued_requests < 0:
+            raise PdserveError("--max-concurrent-requests must be >= 1 and --max-queued-requests >= 0")
+        return cls(
+            model=model, served_model_name=served_model_name,
+            static_workers=list(args.worker), request_timeout_s=args.request_timeout,
+            worker_read_timeout_s=args.worker_read_timeout, router_mode=args.router_mode,
+            kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
+            use_kv_events=not args.no_kv_events, conditional_disagg_tokens=args.conditional_disagg_tokens,
+            prefill_timeout_s=args.prefill_timeout, graceful_timeout_s=args.graceful_timeout,
+            drain_settle_s=args.drain_settle, api_keys=list(args.api_key), cluster_token=args.cluster_token,
+            max_active_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
+            queue_timeout_s=args.queue_timeout, auth_exempt_paths=flags.paths(args.auth_exempt_paths),
+        )
