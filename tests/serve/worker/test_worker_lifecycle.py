@@ -14,7 +14,7 @@ import pytest
 
 from serve import listen
 from serve import protocol as p
-from serve import worker as worker_mod
+from serve.worker import registration as registration_mod
 from serve.cli import main
 from serve.errors import PdserveError
 from serve.worker import Worker, WorkerSettings
@@ -99,11 +99,11 @@ def test_leaving_rotation_stops_renewals_then_deregisters():
 
     async def run() -> None:
         w = _worker(posts)
-        w._register_task = asyncio.create_task(w._register_loop())
+        w.registration.start()
         await _registered(posts, 2)
-        task = w._register_task
+        task = w.registration.task
         await w._leave_rotation()
-        assert task.done() and w._register_task is None
+        assert task.done() and w.registration.task is None
         left = len(posts)
         await asyncio.sleep(0.6)  # three renewal intervals
         assert len(posts) == left
@@ -117,7 +117,7 @@ def test_leaving_rotation_stops_renewals_then_deregisters():
 def test_leaving_rotation_is_bounded_when_a_renewal_swallows_its_cancel(monkeypatch):
     """Python 3.11's asyncio.wait_for can swallow a cancel that arrives as its inner await
     finishes; a renewal loop hit by it kept running, and shutdown waited on it for ever."""
-    monkeypatch.setattr(worker_mod, "REGISTER_STOP_S", 3.0)
+    monkeypatch.setattr(registration_mod, "REGISTER_STOP_S", 3.0)
     posts: list[tuple[float, str]] = []
     swallowed = []
 
@@ -135,13 +135,13 @@ def test_leaving_rotation_is_bounded_when_a_renewal_swallows_its_cancel(monkeypa
                 swallowed.append(True)  # what wait_for did, once
             return [FRONTEND]
 
-        w._frontend_urls = frontend_urls  # type: ignore[method-assign]
-        w._register_task = asyncio.create_task(w._register_loop())
+        w.registration.frontend_urls = frontend_urls  # type: ignore[method-assign]
+        w.registration.start()
         await _registered(posts, 1)
         in_lookup.clear()
         async with asyncio.timeout(10):
             await in_lookup.wait()  # the next renewal is in its lookup: the cancel lands there
-        task = w._register_task
+        task = w.registration.task
         t0 = time.monotonic()
         await w._leave_rotation()
         assert time.monotonic() - t0 < 3.0

@@ -23,7 +23,8 @@ def test_kv_event_endpoints_stay_private_on_loopback(tmp_path, monkeypatch):
     import stat
     import tempfile
 
-    from serve.cli import _ipc_endpoint, _is_loopback
+    from serve.flags import is_loopback_host as _is_loopback
+    from serve.worker.sockets import ipc_endpoint as _ipc_endpoint
 
     assert _is_loopback("127.0.0.1") and _is_loopback("::1") and _is_loopback("[::1]") and _is_loopback("localhost")
     assert not _is_loopback("0.0.0.0") and not _is_loopback("10.0.0.7") and not _is_loopback("pdserve-prefill")
@@ -46,7 +47,7 @@ def test_sockets_of_dead_workers_are_swept(tmp_path):
     import subprocess
     import sys
 
-    from serve.cli import _sweep_dead_sockets
+    from serve.worker.sockets import sweep_dead_sockets as _sweep_dead_sockets
 
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
                           check=True).stdout.strip()

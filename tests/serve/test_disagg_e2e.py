@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL, Proc, free_port
-from tests.workerclient import metric, metrics, wait_for
+from tests.helpers.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
 

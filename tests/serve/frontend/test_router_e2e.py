@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from tests.conftest import MODEL
-from tests.test_disagg_e2e import roles_in_rotation, start_frontend, start_worker
-from tests.workerclient import metric, metrics, wait_for
+from tests.serve.test_disagg_e2e import roles_in_rotation, start_frontend, start_worker
+from tests.helpers.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
 # Each prefix is one first request and one follow-up; five keep the suite's time in bounds

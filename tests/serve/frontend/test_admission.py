@@ -13,7 +13,7 @@ import pytest
 
 from serve.frontend.admission import Admission, Overloaded
 from tests.conftest import MODEL, Proc, free_port
-from tests.workerclient import stream_in_background
+from tests.helpers.workerclient import stream_in_background
 
 
 def test_admission_bounds_active_and_queued_and_hands_slots_over_in_order():

@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from tests.conftest import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, Proc, free_port
-from tests.workerclient import metric, metrics, wait_for
+from tests.helpers.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
 

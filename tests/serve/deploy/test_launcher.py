@@ -117,7 +117,7 @@ def test_up_serves_then_sigterm_leaves_no_process(model_dir, mode):
 def test_kv_cache_is_sized_in_whole_gib_to_fit_memory(capsys):
     from serve.cli import main
     from serve.errors import PdserveError
-    from serve.launcher import fit_kv_cache
+    from serve.deploy.launcher import fit_kv_cache
 
     assert fit_kv_cache(1, 2, 20.0) == 1
     assert fit_kv_cache(4, 2, 14.0) == 2          # (14 - 2) / 2 - 3.5 = 2.5 GiB of room -> 2

@@ -1,0 +1,33 @@
+"""pdserve processes the tests start: `Proc` runs `python -m serve.cli ...` in its own
+process group with its output in a log file (serve.common.procs.Child underneath)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+from serve.common.procs import Child
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_READY_TIMEOUT_S = 420.0
+LOG_DIR = Path(os.environ.get("PDSERVE_TEST_LOGS", "/tmp/pdserve-test-logs"))
+MODEL = "smollm2-135m-instruct"
+
+
+def free_port() -> int:
+    """A port for a server a test starts (it binds seconds later): below the ephemeral range."""
+    from serve.listen import late_port
+
+    return late_port("127.0.0.1")
+
+
+class Proc(Child):
+    """`pdserve ARGS` as a child in its own process group, logging to LOG_DIR."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str] | None = None,
+                 wrapper: list[str] | None = None, pass_fds: tuple[int, ...] = ()) -> None:
+        log_path = LOG_DIR / f"{name}-{os.getpid()}-{time.time_ns()}.log"
+        cmd = [*(wrapper or []), sys.executable, "-m", "serve.cli", *args]
+        super().__init__(name, cmd, log_path, env={**os.environ, **(env or {})}, cwd=ROOT, pass_fds=pass_fds)
