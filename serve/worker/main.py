@@ -77,8 +77,9 @@ def run(s: WorkerSettings, passthrough: list[str]) -> int:
     passthrough = [*passthrough, *kv_transfer_flags(s, passthrough), *kv_events_flags(s, passthrough)]
     engine_args = parse_engine_args(s.model, passthrough, s.served_model_name)
     from serve.worker.app import Worker, build_app
+    from serve.worker.vllm_backend import VllmBackend
 
-    app = build_app(Worker(s, engine_args))
+    app = build_app(Worker(s, VllmBackend(engine_args)))
     # The worker removes its ipc socket when it stops (uvicorn re-raises SIGTERM after its
     # shutdown, so nothing after this call runs); sockets of killed workers are swept by the
     # next worker that makes one (`ipc_endpoint`).
