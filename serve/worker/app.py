@@ -109,7 +109,7 @@ class Worker:
         if self._http is not None:
             await self._http.aclose()
         if self.engine is not None:
-            self.engine.shutdown()
+            await self.engine.stop()
             self.engine = None
         ev = self.settings.kv_events_endpoint or ""
         if ev.startswith("ipc://"):  # the engine core bound it and is gone now

@@ -63,4 +63,5 @@ class EngineBackend(Protocol):
     def metrics_text(self) -> bytes:
         """The engine's own Prometheus series (`vllm:*`)."""
 
-    def shutdown(self) -> None: ...
+    async def stop(self) -> None:
+        """Stop the engine and free what it holds (the worker's shutdown)."""

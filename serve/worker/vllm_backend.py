@@ -101,6 +101,9 @@ class VllmBackend:
 
         return generate_latest(REGISTRY)
 
+    async def stop(self) -> None:
+        self.shutdown()
+
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.shutdown()

@@ -1,0 +1,190 @@
+"""The simulated engine's KV block table: capacity, a prefix cache, LRU eviction.
+
+Blocks are ids 0..num_blocks-1. A request holds a list of blocks for its tokens; a full
+block whose tokens are known gets the chained hash of `router.hashing` (the hash the
+router computes from KV events, so the simulated worker publishes exactly what the router
+indexes). With prefix caching on, a new request reuses the cached blocks of its prompt's
+longest cached prefix. A block no request holds stays cached (evictable, least recently
+used first) until its space is needed. Every change the router should know of is reported
+through `on_event` as vLLM's event types (router.events): BlockStored, BlockRemoved,
+AllBlocksCleared. Pure bookkeeping: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from router.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
+from router.hashing import ROOT, chain
+
+
+class NoSpace(Exception):
+    """Not enough free or evictable blocks."""
+
+
+@dataclass
+class _Seq:
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # of its leading full blocks, registered in the cache
+    tokens: int = 0  # tokens its blocks hold
+
+
+class BlockTable:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True,
+                 on_event: Callable[[Event], None] | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be >= 1")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self.on_event = on_event
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() takes the lowest id
+        self._refs: dict[int, int] = {}
+        self._hash_of: dict[int, int] = {}  # block -> chained hash (cached blocks only)
+        self._block_of: dict[int, int] = {}  # chained hash -> block
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
+        self._seqs: dict[str, _Seq] = {}
+
+    # -- queries ----------------------------------------------------------------------
+    @property
+    def used_blocks(self) -> int:
+        """Blocks some request holds."""
+        return len(self._refs)
+
+    @property
+    def usage(self) -> float:
+        return self.used_blocks / self.num_blocks
+
+    @property
+    def available(self) -> int:
+        """Blocks that can be handed out: free plus evictable."""
+        return len(self._free) + len(self._evictable)
+
+    def blocks_of(self, request_id: str) -> list[int]:
+        return list(self._seqs[request_id].blocks)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Blocks of the longest cached prefix of `token_ids` (full blocks only)."""
+        if not self.prefix_caching:
+            return []
+        out, parent = [], ROOT
+        bs = self.block_size
+        # The last token is always computed (vLLM never serves a whole prompt from cache).
+        for start in range(0, len(token_ids) - bs, bs):
+            parent = chain(parent, token_ids[start:start + bs])
+            block = self._block_of.get(parent)
+            if block is None:
+                break
+            out.append(block)
+        return out
+
+    def blocks_needed(self, n_tokens: int) -> int:
+        return -(-n_tokens // self.block_size)
+
+    # -- changes ----------------------------------------------------------------------
+    def allocate(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """Blocks for a new request's prompt; returns how many prompt tokens were cached."""
+        if request_id in self._seqs:
+            raise ValueError(f"request {request_id} already holds blocks")
+        hit = self.cached_prefix(token_ids)
+        need = self.blocks_needed(len(token_ids)) - len(hit)
+        reusable = sum(1 for b in hit if b in self._evictable)
+        if need > self.available - reusable:
+            raise NoSpace(f"{need} blocks needed, {self.available - reusable} available")
+        seq = _Seq()
+        for b in hit:
+            self._ref(b)
+            seq.blocks.append(b)
+            seq.hashes.append(self._hash_of[b])
+        for _ in range(need):
+            seq.blocks.append(self._take())
+        seq.tokens = len(token_ids)
+        self._seqs[request_id] = seq
+        return len(hit) * self.block_size
+
+    def grow(self, request_id: str, n_tokens: int) -> None:
+        """Room for the request to hold `n_tokens` tokens in all (decode appends)."""
+        seq = self._seqs[request_id]
+        need = self.blocks_needed(n_tokens) - len(seq.blocks)
+        if need > self.available:
+            raise NoSpace(f"{need} blocks needed, {self.available} available")
+        for _ in range(max(0, need)):
+            seq.blocks.append(self._take())
+        seq.tokens = max(seq.tokens, n_tokens)
+
+    def can_grow(self, request_id: str, n_tokens: int) -> bool:
+        return self.blocks_needed(n_tokens) - len(self._seqs[request_id].blocks) <= self.available
+
+    def commit(self, request_id: str, token_ids: Sequence[int]) -> None:
+        """Register the request's full blocks of `token_ids` (computed now) in the prefix cache."""
+        seq = self._seqs[request_id]
+        bs = self.block_size
+        full = min(len(token_ids) // bs, len(seq.blocks))
+        parent = seq.hashes[-1] if seq.hashes else ROOT
+        for i in range(len(seq.hashes), full):
+            tokens = token_ids[i * bs:(i + 1) * bs]
+            h = chain(parent, tokens)
+            seq.hashes.append(h)
+            block = seq.blocks[i]
+            if self.prefix_caching and h not in self._block_of:  # a twin block may hold this prefix already
+                self._hash_of[block] = h
+                self._block_of[h] = block
+                if self.on_event is not None:
+                    self.on_event(BlockStored(block_hashes=[h], parent_block_hash=None if parent == ROOT else parent,
+                                              token_ids=list(tokens), block_size=bs))
+            parent = h
+
+    def free(self, request_id: str) -> None:
+        """The request is done (finished, aborted, or its hold ended): drop its references."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is None:
+            return
+        for b in reversed(seq.blocks):  # tail blocks are evicted before the shared prefix
+            self._unref(b)
+
+    def reset(self) -> bool:
+        """Drop every cached block no request holds (vLLM's reset_prefix_cache)."""
+        for b in list(self._evictable):
+            self._forget(b, report=False)
+            self._free.append(b)
+        self._evictable.clear()
+        if self.on_event is not None:
+            self.on_event(AllBlocksCleared())
+        return True
+
+    # -- internals --------------------------------------------------------------------
+    def _ref(self, b: int) -> None:
+        self._evictable.pop(b, None)
+        self._refs[b] = self._refs.get(b, 0) + 1
+
+    def _unref(self, b: int) -> None:
+        n = self._refs[b] - 1
+        if n:
+            self._refs[b] = n
+            return
+        del self._refs[b]
+        if b in self._hash_of:
+            self._evictable[b] = None
+        else:
+            self._free.append(b)
+
+    def _take(self) -> int:
+        if self._free:
+            b = self._free.pop()
+        else:
+            b, _ = self._evictable.popitem(last=False)
+            self._forget(b, report=True)
+        self._refs[b] = 1
+        return b
+
+    def _forget(self, b: int, report: bool) -> None:
+        h = self._hash_of.pop(b, None)
+        if h is not None:
+            self._block_of.pop(h, None)
+            if report and self.on_event is not None:
+                self.on_event(BlockRemoved(block_hashes=[h]))

@@ -1,0 +1,308 @@
+"""The simulated engine: a continuous-batching scheduler over a real block table.
+
+Each step schedules running requests first (one decode token each, or the next prefill
+chunk), then admits waiting ones while the batch has room (`max_num_seqs`), the step has
+token budget (`max_num_batched_tokens`) and the block table has space; a decode that
+cannot grow preempts the newest running request (its blocks freed, recomputed later), as
+vLLM does. The step lasts what the `StepModel` says; then prefill progress is applied,
+finished prefills sample their first token, decodes their next (`tokens.token_at`).
+
+KV transfer hooks: a request that arrives with its KV loaded elsewhere (`load_done`) has
+its prompt computed but its last token, as vLLM's connector scheduling does; a request
+marked `hold` keeps its blocks after finishing until `release`. Nothing here does I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from kvtransfer.protocol import TransferParams
+from serve import protocol as p
+from serve.sim.blocks import BlockTable, NoSpace
+from serve.sim.timing import StepModel
+from serve.sim.tokens import Vocabulary, is_stop, request_key, token_at
+
+log = logging.getLogger("pdserve.sim")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    max_num_seqs: int = 256
+    max_model_len: int = 8192
+    block_size: int = 128
+    num_blocks: int = 4096
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    kv_cache_dtype: str = "auto"
+    eos_rate: float = 1 / 64
+
+
+@dataclass
+class SimRequest:
+    request_id: str
+    prompt: list[int]
+    sampling: p.SamplingOptions
+    key: bytes
+    hold: bool = False  # keep the blocks after finishing (a prefill for a remote decode)
+    output: list[int] = field(default_factory=list)
+    in_prefill: bool = True
+    target: int = 0  # tokens this prefill computes before sampling (the prompt; after a preemption, all so far)
+    computed: int = 0  # tokens of this prefill whose KV exists
+    cached: int = 0  # prompt tokens found in the local prefix cache
+    external: int = 0  # prompt tokens whose KV came from another engine
+    allocated: bool = False
+    loading: bool = False  # waiting for its KV from a remote engine
+    finished: str | None = None  # finish reason
+    deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
+    arrival: float = 0.0
+
+    @property
+    def context(self) -> list[int]:
+        return self.prompt + self.output
+
+
+@dataclass
+class StepCounters:
+    """Totals since start, exported as vLLM's own counters."""
+
+    steps: int = 0
+    prompt_local_compute: int = 0
+    prompt_local_cache_hit: int = 0
+    prompt_external: int = 0
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+class SimEngine:
+    def __init__(self, cfg: SimConfig, vocab: Vocabulary, step_model: StepModel, table: BlockTable,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self.cfg = cfg
+        self.vocab = vocab
+        self.step_model = step_model
+        self.table = table
+        self.clock = clock
+        self.sleep = sleep
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.requests: dict[str, SimRequest] = {}
+        self.counters = StepCounters()
+        # A finished request marked `hold`: keep its blocks, return its transfer params.
+        self.on_finished: Callable[[SimRequest], TransferParams | None] | None = None
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.dead: BaseException | None = None
+
+    # -- lifecycle --------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._task = None
+
+    # -- requests ---------------------------------------------------------------------
+    def add(self, request_id: str, prompt: list[int], sampling: p.SamplingOptions, hold: bool = False,
+            loading: bool = False) -> SimRequest:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id} is already running")
+        if len(prompt) + sampling.max_tokens > self.cfg.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds max_model_len "
+                             f"{self.cfg.max_model_len}")
+        if not self.cfg.enable_chunked_prefill and len(prompt) > self.cfg.max_num_batched_tokens:
+            raise ValueError(f"prompt ({len(prompt)}) exceeds max_num_batched_tokens "
+                             f"{self.cfg.max_num_batched_tokens} without chunked prefill")
+        req = SimRequest(request_id, prompt, sampling, request_key(prompt, sampling), hold=hold, loading=loading,
+                         arrival=self.clock())
+        self.requests[request_id] = req
+        self.waiting.append(req)
+        self._wake.set()
+        return req
+
+    def load_done(self, req: SimRequest, ok: bool) -> None:
+        """The request's remote KV arrived (ok) or failed (recompute the prompt here)."""
+        if not req.loading or req.finished:
+            return
+        req.loading = False
+        if ok:
+            try:
+                cached = self.table.allocate(req.request_id, req.prompt)
+            except NoSpace:
+                ok = False  # no room for the transferred blocks: compute locally when there is
+            else:
+                req.allocated = True
+                req.cached = cached
+                req.target = len(req.prompt)
+                req.computed = len(req.prompt) - 1  # the last token is computed here, to sample
+                req.external = req.computed - cached
+                self.table.commit(req.request_id, req.prompt[:req.computed])
+        self._wake.set()
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self._finish(req, "abort")
+        return True
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # -- the loop ---------------------------------------------------------------------
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if not self.running and not any(not r.loading for r in self.waiting):
+                    self._wake.clear()
+                    await self._wake.wait()
+                    continue
+                await self._step()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # a bug here must not hang every request
+            log.exception("simulated engine died")
+            self.dead = exc
+            for req in list(self.requests.values()):
+                self._finish(req, "error")
+            raise
+
+    def _schedule(self) -> list[tuple[SimRequest, int]]:
+        budget = self.cfg.max_num_batched_tokens
+        batch: list[tuple[SimRequest, int]] = []
+        for req in list(self.running):
+            if budget <= 0:
+                break
+            if req not in self.running:  # preempted below
+                continue
+            if req.in_prefill:
+                n = min(req.target - req.computed, budget)
+            else:
+                n = 1
+                while not self.table.can_grow(req.request_id, len(req.prompt) + len(req.output) + 1):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+                if req not in self.running:
+                    continue
+                self.table.grow(req.request_id, len(req.prompt) + len(req.output) + 1)
+            batch.append((req, n))
+            budget -= n
+        for req in list(self.waiting):
+            if len(self.running) >= self.cfg.max_num_seqs or budget <= 0:
+                break
+            if req.loading:
+                continue
+            if not req.allocated:
+                context = req.context
+                try:
+                    cached = self.table.allocate(req.request_id, context)
+                except NoSpace:
+                    break  # first come, first served: later ones wait too
+                if not req.output:
+                    req.cached = cached
+                req.allocated = True
+                req.computed = cached
+                req.target = len(context)
+            n = req.target - req.computed
+            if n > budget:
+                if not self.cfg.enable_chunked_prefill:
+                    break
+                n = budget
+            self.waiting.remove(req)
+            self.running.append(req)
+            batch.append((req, n))
+            budget -= n
+        return [(r, n) for r, n in batch if r in self.running]  # a preemption may have taken one back
+
+    async def _step(self) -> None:
+        batch = self._schedule()
+        if not batch:
+            # Nothing fits (every waiting request lacks blocks held by others): wait for a change.
+            self._wake.clear()
+            await self._wake.wait()
+            return
+        decodes = [len(r.prompt) + len(r.output) for r, n in batch if not r.in_prefill]
+        chunks = [(r.computed, n) for r, n in batch if r.in_prefill]
+        await self.sleep(self.step_model.step_seconds(decodes, chunks))
+        self.counters.steps += 1
+        for req, n in batch:
+            if req.finished:  # aborted during the step
+                continue
+            if req.in_prefill:
+                req.computed += n
+                self.counters.prompt_local_compute += n
+                if req.computed < req.target:
+                    continue
+                req.in_prefill = False
+                if not req.output:
+                    self.counters.prompt_local_cache_hit += req.cached
+                    self.counters.prompt_external += req.external
+                self.table.commit(req.request_id, req.context)
+            self._sample(req)
+
+    def _sample(self, req: SimRequest) -> None:
+        pos = len(req.output)
+        tok = token_at(req.key, pos, self.vocab, req.sampling, self.cfg.eos_rate)
+        req.output.append(tok)
+        self.counters.generation_tokens += 1
+        if len(req.output) > 1:
+            self.table.commit(req.request_id, req.prompt + req.output[:-1])
+        reason = None
+        if is_stop(tok, pos, self.vocab, req.sampling):
+            reason = "stop"
+        elif len(req.output) >= req.sampling.max_tokens:
+            reason = "length"
+        first = pos == 0
+        params = self._finish(req, reason, announce=False) if reason is not None else None
+        req.deltas.put_nowait(p.TokenDelta(
+            token_ids=[tok], finished=reason is not None, finish_reason=reason,
+            num_prompt_tokens=len(req.prompt) if first else None,
+            num_cached_tokens=(req.cached + req.external) if (first or reason) else None, kv_transfer=params))
+
+    def _preempt(self, req: SimRequest) -> None:
+        self.running.remove(req)
+        self.table.free(req.request_id)
+        req.allocated = False
+        req.in_prefill = True  # recomputed with its output so far, as vLLM recomputes a preempted request
+        req.computed = 0
+        self.waiting.appendleft(req)
+        self.counters.preemptions += 1
+
+    def _finish(self, req: SimRequest, reason: str, announce: bool = True) -> TransferParams | None:
+        """End the request; a held one's blocks go to `on_finished`, which returns its transfer params."""
+        if req.finished:
+            return None
+        req.finished = reason
+        self.requests.pop(req.request_id, None)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
+        if announce:
+            req.deltas.put_nowait(p.TokenDelta(finished=True, finish_reason=reason))  # type: ignore[arg-type]
+        params = None
+        if req.hold and reason in ("stop", "length") and self.on_finished is not None:
+            params = self.on_finished(req)  # the holder keeps the blocks (and frees them later)
+        else:
+            self.table.free(req.request_id)
+        self._wake.set()
+        return params
