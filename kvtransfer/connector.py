@@ -2,9 +2,11 @@
 `kv_connector_module_path="kvtransfer.connector"`). A thin front: scheduler-role methods
 go to `PdScheduler`, worker-role methods to `PdWorker`.
 
-Settings come from `kv_connector_extra_config` (all optional):
-    engine_id, side_channel_host, side_channel_port (0 = any free port), lease_seconds,
-    read_timeout_s, handshake_timeout_s, transport (rdma|shm|tcp|auto), fault_pause_s (tests)
+Settings come from `kv_connector_extra_config`, read once into a typed
+`kvtransfer.protocol.ConnectorSettings` (its fields and defaults are listed there):
+    engine_id, side_channel_host, side_channel_port (required), side_channel_bind_all,
+    lease_seconds, read_timeout_s, handshake_timeout_s, transport (rdma|shm|tcp|auto),
+    fault_pause_s (tests)
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtransfer import transport
+from kvtransfer.errors import SettingsError
+from kvtransfer.protocol import ConnectorSettings
 from kvtransfer.scheduler import PdConnectorMetadata, PdScheduler
 from kvtransfer.stats import PdKVStats
 from kvtransfer.worker import PdWorker, WorkerConfig, default_engine_id
@@ -28,16 +32,15 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-DEFAULT_LEASE_S = 30.0
 
-
-def _side_channel(extra: dict[str, Any], engine_id: str) -> tuple[str, str]:
-    host = str(extra.get("side_channel_host") or os.environ.get("VLLM_HOST_IP") or "127.0.0.1")
-    port = int(extra.get("side_channel_port") or 0)
+def _side_channel(settings: ConnectorSettings) -> tuple[str, str]:
+    """(bind, advertise) endpoints of this engine's side channel."""
+    host = settings.side_channel_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+    port = settings.side_channel_port
     if not port:
-        raise ValueError("kv_connector_extra_config.side_channel_port is required (the scheduler "
-                         "advertises it before the worker binds)")
-    bind_host = "0.0.0.0" if extra.get("side_channel_bind_all") else host
+        raise SettingsError("kv_connector_extra_config.side_channel_port is required (the scheduler "
+                            "advertises it before the worker binds)")
+    bind_host = "0.0.0.0" if settings.side_channel_bind_all else host
     return f"tcp://{bind_host}:{port}", f"tcp://{host}:{port}"
 
 
@@ -45,27 +48,27 @@ class PdConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
-        extra = dict(ktc.kv_connector_extra_config or {})
-        self.engine_id = str(extra.get("engine_id") or ktc.engine_id or default_engine_id())
-        bind, advertise = _side_channel(extra, self.engine_id)
+        settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
+        self.settings = settings
+        self.engine_id = str(settings.engine_id or ktc.engine_id or default_engine_id())
+        bind, advertise = _side_channel(settings)
         block_size = vllm_config.cache_config.block_size
-        lease = float(extra.get("lease_seconds", DEFAULT_LEASE_S))
         self._scheduler: PdScheduler | None = None
         self._worker: PdWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = PdScheduler(self.engine_id, advertise, block_size, lease)
+            self._scheduler = PdScheduler(self.engine_id, advertise, block_size, settings.lease_seconds)
         else:
             mc = vllm_config.model_config
             dtype = str(mc.dtype).removeprefix("torch.")
             kv_dtype = str(vllm_config.cache_config.cache_dtype)
             cfg = WorkerConfig(
                 engine_id=self.engine_id, bind_endpoint=bind, advertise_endpoint=advertise,
-                lease_seconds=lease, read_timeout_s=float(extra.get("read_timeout_s", 30.0)),
-                handshake_timeout_s=float(extra.get("handshake_timeout_s", 5.0)),
-                transport=transport.resolve(extra.get("transport")), model=str(mc.served_model_name or mc.model),
+                lease_seconds=settings.lease_seconds, read_timeout_s=settings.read_timeout_s,
+                handshake_timeout_s=settings.handshake_timeout_s,
+                transport=transport.resolve(settings.transport), model=str(mc.served_model_name or mc.model),
                 dtype=dtype, kv_cache_dtype=dtype if kv_dtype == "auto" else kv_dtype, block_size=block_size,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                fault_pause_s=float(extra.get("fault_pause_s", 0.0)),
+                fault_pause_s=settings.fault_pause_s,
             )
             num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0
             self._worker = PdWorker(cfg, num_blocks)

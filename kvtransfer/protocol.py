@@ -5,6 +5,8 @@ dtypes, block size, layout, TP size, base addresses and the NIXL agent metadata.
 engines may exchange blocks only if `check_compatible` passes; any mismatch names both
 values. `TransferParams` is the typed form of vLLM's `kv_transfer_params` dict; the two
 conversions to and from that dict are the only place the dict is touched.
+`ConnectorSettings` is the typed form of the connector's `kv_connector_extra_config`, with
+its one pair of conversions (`to_extra_config` / `from_extra_config`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvtransfer.errors import HandshakeError
+from kvtransfer.errors import HandshakeError, SettingsError
 from kvtransfer.layout import KVLayout, shape_signature
 
 PROTOCOL_VERSION = 1
@@ -154,3 +156,55 @@ def from_vllm_params(params: dict[str, Any] | None) -> TransferParams | None:
     if not inner.get("do_remote_prefill") or "remote" not in inner:
         return None
     return msgspec.convert(inner["remote"], TransferParams)
+
+
+# -- kv_connector_extra_config -------------------------------------------------------------
+class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """What `kv_connector_extra_config` carries to PdConnector (all optional, each with its
+    one default here). Empty strings mean "not set": `engine_id` then falls back to the
+    KVTransferConfig's engine id or a generated one, `side_channel_host` to VLLM_HOST_IP
+    or 127.0.0.1; `side_channel_port` must be set (the scheduler advertises it before the
+    worker binds)."""
+
+    engine_id: str = ""
+    side_channel_host: str = ""  # advertised to readers (and bound, unless side_channel_bind_all)
+    side_channel_port: int = 0
+    side_channel_bind_all: bool = False  # bind 0.0.0.0, still advertise side_channel_host
+    lease_seconds: float = 30.0  # a held request's blocks are freed this long after it finished, if unread
+    read_timeout_s: float = 30.0  # a READ not done this long after its acquire fails (recompute)
+    handshake_timeout_s: float = 5.0  # each side-channel call, and the wait for a pending hold
+    transport: str = "auto"  # rdma | shm | tcp | auto (kvtransfer.transport)
+    fault_pause_s: float = 0.0  # test-only: pause before each READ's acquire (never set in production)
+
+    # Written only when set away from their default, so the config pdserve hands vLLM (and
+    # vLLM logs) carries the same keys as before these settings were typed.
+    _ONLY_IF_SET = ("side_channel_bind_all", "read_timeout_s", "handshake_timeout_s", "fault_pause_s")
+
+    def to_extra_config(self) -> dict[str, Any]:
+        """The `kv_connector_extra_config` dict (the one conversion to it)."""
+        defaults = ConnectorSettings()
+        return {f: getattr(self, f) for f in self.__struct_fields__
+                if f not in self._ONLY_IF_SET or getattr(self, f) != getattr(defaults, f)}
+
+    @classmethod
+    def from_extra_config(cls, extra: Any) -> ConnectorSettings:
+        """From `kv_connector_extra_config` (the one conversion from it). None values count
+        as unset; numbers given as strings are accepted. An unknown key or a value of the
+        wrong type raises SettingsError naming the key."""
+        if extra is None:
+            return cls()
+        if not isinstance(extra, dict):
+            raise SettingsError(f"kv_connector_extra_config must be a mapping, not {type(extra).__name__}")
+        types = {f.name: f.type for f in msgspec.structs.fields(cls)}
+        values: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key not in types:
+                raise SettingsError(f"kv_connector_extra_config.{key}: unknown key for PdConnector "
+                                    f"(known: {', '.join(types)})")
+            if value is None:
+                continue
+            try:
+                values[key] = msgspec.convert(value, types[key], strict=False)
+            except msgspec.ValidationError as exc:
+                raise SettingsError(f"kv_connector_extra_config.{key}: {exc} (got {value!r})") from None
+        return cls(**values)

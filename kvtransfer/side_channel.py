@@ -46,6 +46,16 @@ def context() -> zmq.Context:
         return _ctx
 
 
+def unpin_thread() -> None:
+    """Let the calling helper thread run on any core: the engine process may be pinned to
+    one core that its spinning OpenMP threads keep busy, which would starve the side channel
+    (and the holder's NIXL progress)."""
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except (AttributeError, OSError):
+        pass
+
+
 class SideChannelServer:
     def __init__(self, endpoint: str, metadata: Callable[[], EngineMetadata],
                  on_acquire: Callable[[Acquire], Reply], on_release: Callable[[Release], Reply],
@@ -86,10 +96,7 @@ class SideChannelServer:
         return Reply("error", f"unexpected message {type(msg).__name__}")
 
     def _serve(self) -> None:
-        try:  # run on any core, not only the engine's (see worker._unpin_thread)
-            os.sched_setaffinity(0, range(os.cpu_count() or 1))
-        except (AttributeError, OSError):
-            pass
+        unpin_thread()
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
         while not self._stop.is_set():

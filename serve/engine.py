@@ -166,10 +166,11 @@ def kv_transfer_config(role: str, engine_id: str, side_channel_host: str, side_c
     """`--kv-transfer-config` JSON that loads pdserve's own connector (kvtransfer.connector)."""
     import json
 
-    extra = {"engine_id": engine_id, "side_channel_host": side_channel_host,
-             "side_channel_port": side_channel_port, "lease_seconds": lease_seconds, "transport": transport}
-    if fault_pause_s:
-        extra["fault_pause_s"] = fault_pause_s
+    from kvtransfer.protocol import ConnectorSettings
+
+    extra = ConnectorSettings(engine_id=engine_id, side_channel_host=side_channel_host,
+                              side_channel_port=side_channel_port, lease_seconds=lease_seconds,
+                              transport=transport, fault_pause_s=fault_pause_s).to_extra_config()
     return json.dumps({
         "kv_connector": "PdConnector",
         "kv_connector_module_path": "kvtransfer.connector",

@@ -15,8 +15,8 @@ import uuid
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Proc
-from tests.workerclient import generate, metric, metrics
+from tests.helpers.procs import MODEL, Proc
+from tests.helpers.workerclient import generate, metric, metrics
 
 pytestmark = [
     pytest.mark.engine,

@@ -12,8 +12,8 @@ import math
 import httpx
 import pytest
 
-from tests.conftest import MODEL, Proc, free_port
-from tests.workerclient import generate, metric, metrics, wait_for
+from tests.helpers.procs import MODEL, Proc, free_port
+from tests.helpers.workerclient import generate, metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
 

@@ -1,0 +1,299 @@
+"""Decode side of the worker (reader): reads a remote prefill's blocks into local blocks.
+
+For each planned load, an io thread handshakes with the holder (cached per engine, redone
+when it restarts), checks compatibility and acquires the request's blocks; then the engine
+thread posts one NIXL READ with merged descriptors (NIXL calls stay on that thread) and
+polls it each step. A finished READ releases the holder. A holder that answers "gone"
+(lease expired), an incompatible or unreachable holder, or a READ that fails or times out
+makes the request fail its load: vLLM recomputes the prompt locally (policy `recompute`),
+counted in `recomputes`; freed memory is never read. A READ's deadline counts from before
+its acquire, and one seen done past it is discarded (the holder's pin outlasts it).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtransfer import faults
+from kvtransfer.errors import HandshakeError, TransferFailed
+from kvtransfer.layout import merge_descriptors
+from kvtransfer.metrics import KvStats
+from kvtransfer.nixl_agent import NixlAgent
+from kvtransfer.protocol import (
+    PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Release, TransferParams, check_compatible, engine_auth,
+)
+from kvtransfer.scheduler import LoadSpec
+from kvtransfer.side_channel import SideChannelClient, unpin_thread
+
+log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
+
+ACQUIRE_PENDING_RETRY_S = 0.02
+SLOW_PREPARE_S = 1.0
+SPIN_S = 0.05  # longest a READ is progressed inline before it is left to the per-step poll
+
+
+@dataclass
+class Read:
+    spec: LoadSpec
+    handle: Any
+    peer: str
+    nbytes: int
+    started: float
+    deadline: float
+    finished_at: float | None = None  # when an inline progress loop saw it complete
+
+
+@dataclass
+class Peer:
+    """A holder engine this reader has shaken hands with. `agent_name` is set by the engine
+    thread once the NIXL agent is added (NIXL calls stay on that thread)."""
+
+    metadata: EngineMetadata
+    client: SideChannelClient
+    lock: threading.Lock = field(default_factory=threading.Lock)  # REQ sockets are not thread-safe
+    agent_name: str | None = None
+
+
+@dataclass
+class Preparing:
+    spec: LoadSpec
+    future: Future
+    created: float = 0.0  # before the acquire was sent: the read's deadline counts from here
+
+
+class Reader:
+    def __init__(self, engine_id: str, read_timeout_s: float, handshake_timeout_s: float,
+                 fault_pause_s: float = 0.0, token: str | None = None,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+        self.engine_id = engine_id
+        self.read_timeout_s = read_timeout_s
+        self.handshake_timeout_s = handshake_timeout_s
+        self.fault_pause_s = fault_pause_s
+        self.clock = clock
+        self.sleep = sleep
+        self._auth = engine_auth(token, engine_id)
+        self.agent: NixlAgent | None = None
+        self.local: EngineMetadata | None = None
+        self.stats = KvStats()  # reader-side counters, taken by the worker with its own
+        self._peers: dict[str, Peer] = {}
+        self._peers_lock = threading.Lock()
+        # Side-channel round trips (handshake, acquire, release) run here, so an engine step
+        # never waits on the network or on a slow holder.
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-kv-io", initializer=unpin_thread)
+        self._preparing: dict[str, Preparing] = {}
+        self._reads: dict[str, Read] = {}
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        self._releases_sent = 0  # counted on io threads, folded into stats per step
+        self._stale_agents: list[str | None] = []  # removed from NIXL on the engine thread
+
+    def attach(self, agent: NixlAgent, local: EngineMetadata) -> None:
+        """The registered agent and this engine's metadata (once, at KV registration)."""
+        self.agent, self.local = agent, local
+
+    def close(self) -> None:
+        self._io.shutdown(wait=False, cancel_futures=True)
+        for peer in list(self._peers.values()):
+            peer.client.close()
+
+    # -- engine thread ------------------------------------------------------------------
+    def load(self, spec: LoadSpec) -> None:
+        """Start preparing a planned load: handshake and acquire, on an io thread."""
+        now = self.clock()
+        self._preparing[spec.request_id] = Preparing(spec, self._io.submit(self._prepare, spec, now), now)
+
+    def release(self, remote: TransferParams) -> None:
+        """Tell the holder to free a request's blocks (on an io thread)."""
+        self._io.submit(self._release_now, remote)
+
+    def step(self) -> None:
+        """Per engine step, once KV caches are registered: drop agents of restarted holders,
+        post the READs whose acquire came back, poll the READs in flight."""
+        if self.agent is None:
+            return
+        with self._peers_lock:
+            stale, self._stale_agents = self._stale_agents, []
+        for name in stale:
+            if name is not None:
+                try:
+                    self.agent.remove_remote(name)
+                except Exception:  # the agent may already be gone with its process
+                    pass
+        self.start_prepared()
+        self._poll_reads(self.agent)
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        """Requests whose load finished since the last call (failed ones are in both sets)."""
+        with self._peers_lock:
+            self.stats.releases_sent += self._releases_sent
+            self._releases_sent = 0
+        recving, failed = self._done_recving, self._failed_recving
+        self._done_recving, self._failed_recving = set(), set()
+        return recving, failed
+
+    def start_prepared(self) -> None:
+        for rid, prep in list(self._preparing.items()):
+            if not prep.future.done():
+                continue
+            del self._preparing[rid]
+            try:
+                peer = prep.future.result()
+                self._post_read(prep.spec, peer, prep.created)
+            except TransferFailed as exc:
+                self._fail(prep.spec, str(exc))
+            except Exception as exc:  # never let a transfer problem take the engine down
+                log.exception("kvtransfer: unexpected error starting the read of %s", rid)
+                self._fail(prep.spec, f"{type(exc).__name__}: {exc}")
+                self.release(prep.spec.remote)
+
+    def _post_read(self, spec: LoadSpec, peer: Peer, acquired_by: float | None = None) -> None:
+        agent, local = self.agent, self.local
+        if agent is None or local is None:
+            raise RuntimeError("KV caches are not registered")
+        if peer.agent_name is None:
+            peer.agent_name = agent.add_remote(peer.metadata.agent_metadata)
+        t0 = self.clock()
+        lspans, rspans = merge_descriptors(peer.metadata.layout, local.layout, spec.remote_block_ids,
+                                           spec.local_block_ids)
+        handle, state = agent.post_read(peer.agent_name, peer.metadata.layout, lspans, rspans)
+        # With the progress thread off, a READ advances only while we call into NIXL; on
+        # shared memory the copy is done by this thread, so progress it right away (bounded)
+        # instead of one poll per engine step.
+        spin_until = self.clock() + SPIN_S
+        while state == "PROC" and self.clock() < spin_until:
+            state = agent.check(handle)
+        if state == "ERR":
+            agent.release(handle)
+            self.release(spec.remote)
+            raise TransferFailed(f"NIXL READ from {spec.remote.engine_id} failed to start")
+        # Timed from the descriptor build: the READ may complete inside transfer() itself.
+        self._reads[spec.request_id] = Read(spec, handle, spec.remote.engine_id, sum(n for _, n in lspans), t0,
+                                            (acquired_by or t0) + self.read_timeout_s,
+                                            self.clock() if state == "DONE" else None)
+
+    def _poll_reads(self, agent: NixlAgent) -> None:
+        now = self.clock()
+        for rid, rd in list(self._reads.items()):
+            state = agent.check(rd.handle)
+            if state == "PROC" and now < rd.deadline:
+                continue
+            done_at = self.clock()
+            del self._reads[rid]
+            agent.release(rd.handle)
+            if state == "DONE" and (rd.finished_at or done_at) > rd.deadline:
+                state = "LATE"  # past the deadline the holder may have freed the blocks: never use
+            if state == "DONE":
+                secs = (rd.finished_at or done_at) - rd.started
+                s = self.stats
+                s.reads += 1
+                s.blocks_read += len(rd.spec.local_block_ids)
+                s.bytes_read += rd.nbytes
+                s.read_seconds.append(secs)
+                s.read_bytes.append(rd.nbytes)
+                self._done_recving.add(rid)
+                log.info("kvtransfer: read %s: %d blocks, %d bytes in %.2f ms (%.2f GB/s)", rid,
+                         len(rd.spec.local_block_ids), rd.nbytes, secs * 1e3, rd.nbytes / max(secs, 1e-9) / 1e9)
+            else:
+                self._fail(rd.spec, {"ERR": "READ error", "LATE": "READ completed past its deadline"}.get(
+                    state, "READ timed out"))
+            self.release(rd.spec.remote)
+
+    def _fail(self, spec: LoadSpec, why: str) -> None:
+        self.stats.failures += 1
+        self.stats.recomputes += 1
+        self._failed_recving.add(spec.request_id)
+        self._done_recving.add(spec.request_id)
+        log.warning("kvtransfer: load of %s failed (%s); recomputing locally", spec.request_id, why)
+
+    # -- io threads -----------------------------------------------------------------------
+    def _prepare(self, spec: LoadSpec, queued_at: float) -> Peer:
+        """Handshake (cached per engine), compatibility, acquire; the peer to read from."""
+        began = self.clock()
+        faults.pause_before_read(self.fault_pause_s, self.sleep)  # test-only: hold a transfer here
+        remote = spec.remote
+        peer = self._handshake(remote)
+        shook = self.clock()
+        try:
+            check_compatible(self.local, peer.metadata)
+        except HandshakeError as exc:
+            self._release_now(remote)  # nobody can read these blocks: free them at once
+            raise TransferFailed(str(exc)) from exc
+        deadline = self.clock() + self.handshake_timeout_s
+        while True:
+            try:
+                with peer.lock:
+                    reply = peer.client.call(Acquire(remote.request_id, self.engine_id, self._auth))
+            except HandshakeError as exc:  # holder unreachable: maybe restarted; handshake again next time
+                self._forget_peer(remote.engine_id)
+                raise TransferFailed(str(exc)) from exc
+            if reply.status != "pending" or self.clock() >= deadline:
+                took = self.clock() - began
+                if took > SLOW_PREPARE_S:
+                    log.warning("kvtransfer: acquire of %s took %.2f s (handshake %.2f s, answer %s, "
+                                "queued %.2f s before it started)", remote.request_id, took, shook - began,
+                                reply.status, began - queued_at)
+            if reply.status == "ok":
+                return peer
+            if reply.status == "pending" and self.clock() < deadline:
+                self.sleep(ACQUIRE_PENDING_RETRY_S)
+                continue
+            raise TransferFailed(f"holder {remote.engine_id} answered {reply.status}: {reply.message}")
+
+    def _handshake(self, remote: TransferParams) -> Peer:
+        with self._peers_lock:
+            peer = self._peers.get(remote.engine_id)
+        if peer is not None:
+            return peer
+        client = SideChannelClient(remote.side_channel, self.handshake_timeout_s)
+        try:
+            reply = client.call(Hello(PROTOCOL_VERSION, self.engine_id, self._auth))
+        except HandshakeError as exc:
+            client.close()
+            raise TransferFailed(str(exc)) from exc
+        md = reply.metadata
+        if reply.status != "ok" or md is None:
+            client.close()
+            raise TransferFailed(f"handshake with {remote.side_channel} refused: {reply.message}")
+        if md.engine_id != remote.engine_id:
+            client.close()
+            raise TransferFailed(f"{remote.side_channel} is engine {md.engine_id}, not {remote.engine_id} (restarted)")
+        peer = Peer(md, client)
+        with self._peers_lock:
+            peer = self._peers.setdefault(remote.engine_id, peer)
+        log.info("kvtransfer: handshake with engine %s at %s (compat %s)", md.engine_id, remote.side_channel,
+                 md.compat_hash())
+        return peer
+
+    def _forget_peer(self, engine_id: str) -> None:
+        with self._peers_lock:
+            peer = self._peers.pop(engine_id, None)
+            if peer is not None:
+                self._stale_agents.append(peer.agent_name)
+        if peer is not None:
+            peer.client.close()
+
+    def _release_now(self, remote: TransferParams) -> None:
+        """Errors are only logged: the holder frees by lease anyway, nothing is stranded."""
+        try:
+            with self._peers_lock:
+                peer = self._peers.get(remote.engine_id)
+            if peer is not None:
+                with peer.lock:
+                    peer.client.call(Release(remote.request_id, self.engine_id, self._auth))
+            else:
+                client = SideChannelClient(remote.side_channel, self.handshake_timeout_s)
+                try:
+                    client.call(Release(remote.request_id, self.engine_id, self._auth))
+                finally:
+                    client.close()
+            with self._peers_lock:
+                self._releases_sent += 1
+        except HandshakeError as exc:
+            log.warning("kvtransfer: release of %s at %s failed: %s", remote.request_id, remote.engine_id, exc)
+            self._forget_peer(remote.engine_id)

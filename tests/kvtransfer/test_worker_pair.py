@@ -1,0 +1,84 @@
+"""Two PdWorkers in this process with real NIXL and side channels, no vLLM engine: a READ
+moves exactly the planned blocks, the holder is released and reports the request sent,
+and a second read of the same (now freed) request is answered "gone" and recomputed."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvtransfer.protocol import TransferParams
+from kvtransfer.scheduler import LoadSpec, PdConnectorMetadata
+from kvtransfer.worker import PdWorker, WorkerConfig
+from tests.helpers.procs import free_port
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("nixl._api")
+
+NUM_BLOCKS, BLOCK = 16, 16
+
+
+def make(engine_id: str, port: int) -> tuple[PdWorker, dict]:
+    ep = f"tcp://127.0.0.1:{port}"
+    cfg = WorkerConfig(engine_id=engine_id, bind_endpoint=ep, advertise_endpoint=ep, lease_seconds=10.0,
+                       read_timeout_s=5.0, handshake_timeout_s=2.0, transport="shm", model="m", dtype="bfloat16",
+                       kv_cache_dtype="bfloat16", block_size=BLOCK, tp_size=1)
+    w = PdWorker(cfg, NUM_BLOCKS)
+    kv = {f"layer.{i}": torch.zeros(NUM_BLOCKS, 2, BLOCK, 32, dtype=torch.bfloat16) for i in range(3)}
+    w.register_kv_caches(kv)
+    return w, kv
+
+
+def steps_until(done, workers, timeout: float = 10.0) -> tuple[set, set, set]:
+    sending, recving, failed = set(), set(), set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for w, finished in workers:
+            s, r, f = w.get_transfer_results(finished)
+            sending |= s
+            recving |= r
+            failed |= f
+        if done(sending, recving, failed):
+            break
+        time.sleep(0.01)
+    return sending, recving, failed
+
+
+@pytest.fixture
+def pair(monkeypatch):
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")
+    pport = free_port()
+    p, pkv = make("eng-p", pport)
+    d, dkv = make("eng-d", free_port())
+    try:
+        yield p, pkv, d, dkv, f"tcp://127.0.0.1:{pport}"
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
+def test_read_moves_the_blocks_and_releases_the_holder(pair):
+    p, pkv, d, dkv, side = pair
+    for t in pkv.values():
+        t.copy_(torch.randn(t.shape).to(torch.bfloat16))
+    p.start_load_kv(PdConnectorMetadata(holds={"r": (3, 10.0)}))
+    remote = TransferParams(engine_id="eng-p", request_id="r", block_ids=[2, 3, 4], num_tokens=40,
+                            side_channel=side, lease_seconds=10.0)
+    d.start_load_kv(PdConnectorMetadata(loads=[LoadSpec("r", remote, [7, 8, 9], [2, 3, 4])]))
+    sending, recving, failed = steps_until(lambda s, r, f: "r" in s and "r" in r, [(p, {"r"}), (d, set())])
+    assert (sending, recving, failed) == ({"r"}, {"r"}, set())
+    for src, dst in zip(pkv.values(), dkv.values()):
+        assert torch.equal(src[2:5], dst[7:10])
+        assert not dst[:7].any() and not dst[10:].any()  # nothing else written
+    dr, pr = d.take_stats().reduce(), p.take_stats().reduce()
+    block_bytes = 3 * 2 * BLOCK * 32 * 2  # layers x (heads x block x 2*head) bf16
+    assert (dr["reads"], dr["blocks_read"], dr["bytes_read"], dr["failures"]) == (1, 3, 3 * block_bytes, 0)
+    assert dr["releases_sent"] == 1 and dr["gbps"] > 0
+    assert (pr["requests_held"], pr["blocks_released"], pr["held_blocks"], pr["lease_expiries"]) == (1, 3, 0, 0)
+
+    # The same request again: its blocks are freed, the holder says "gone", the load recomputes.
+    d.start_load_kv(PdConnectorMetadata(loads=[LoadSpec("r", remote, [1], [2])]))
+    _, recving, failed = steps_until(lambda s, r, f: "r" in f, [(d, set())])
+    assert failed == {"r"} and recving == {"r"}
+    assert d.take_stats().reduce()["recomputes"] == 1
