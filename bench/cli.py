@@ -1,13 +1,27 @@
-"""`pdserve bench ...` subcommands. Imported by serve/cli.py; each runs on the base install
-unless it says otherwise (`bench kv` needs NIXL; `--e2e` also vLLM)."""
+"""`pdserve bench ...` subcommands; each runs on the base install unless it says otherwise
+(`bench kv` needs NIXL; `--e2e` also vLLM).
+
+`add_command` is what the serve CLI discovers (entry point group `pdserve.commands`,
+`bench = "bench.cli:add_command"`): it adds the `bench` parser with `run` as its default.
+A bench.errors.BenchError from any tool is printed as one line,
+`pdserve bench <tool>: error: <message>`, exit status 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+
+from bench.errors import BenchError
+
+TOOLS = ("profile", "sweep", "compare", "fake-server", "loadgen-vs-aiperf", "calibrate", "compare-plan", "kv", "soak",
+         "engine-memory")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """Add `bench` to the `pdserve` subcommands."""
     b = sub.add_parser("bench", help="load generator (profile, sweep, compare, fake-server); KV transfer benchmarks (kv)")
+    b.set_defaults(run=run)
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
     kv = bsub.add_parser(
         "kv", help="KV transfer paths: NIXL READ/WRITE vs memcpy; --e2e: pdserve connector vs vLLM NixlConnector",
@@ -23,14 +37,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     kv.add_argument("--repeats", type=int, default=1, help="--e2e: passes over the prompt set (default: 1)")
     kv.add_argument("--impls", nargs="+", default=["pdserve", "nixl"], choices=["pdserve", "nixl"],
                     help="--e2e: connectors to run (default: pdserve nixl)")
-    _add_profile_parsers(bsub)
     kv.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                     help="--e2e: KV dtypes to run (default: bf16 fp8)")
+    _add_tool_parsers(bsub)
 
 
-def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
-    from bench.profile import fake_server
-    from bench.profile.config import add_profile_arguments
+def _add_tool_parsers(bsub: argparse._SubParsersAction) -> None:
+    from bench.loadgen.config import add_profile_arguments
+    from bench.testing import fake_server
 
     prof = bsub.add_parser(
         "profile", help="load-test an OpenAI-compatible endpoint (AIPerf-compatible flags and artifacts)",
@@ -50,10 +64,10 @@ def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
     sw.add_argument("--requests-per-concurrency", type=int, default=None,
                     help="requests per run = C x this (default: --num-requests, else 10 x C)")
     fake_server.add_parser(bsub)
-    from bench.soak import add_parser as add_soak_parser
+    from bench.perf.soak import add_parser as add_soak_parser
 
     add_soak_parser(bsub)
-    from bench.engine_memory import add_parser as add_engine_memory_parser
+    from bench.perf.engine_memory import add_parser as add_engine_memory_parser
 
     add_engine_memory_parser(bsub)
     from bench.plan.cli import add_bench_parsers
@@ -74,67 +88,72 @@ def _add_profile_parsers(bsub: argparse._SubParsersAction) -> None:
     vs.add_argument("--seconds", type=float, default=6.0, help="length of each max-rate run (default: 6)")
 
 
-def _profile_commands(args: argparse.Namespace) -> int:
+def _loadgen(args: argparse.Namespace) -> int:
     import shlex
-    import sys
 
-    from bench.profile.errors import ProfileError
+    if args.bench_command == "fake-server":
+        from bench.testing import fake_server
 
-    try:
-        if args.bench_command == "fake-server":
-            from bench.profile import fake_server
+        return fake_server.run(args)
+    if args.bench_command == "loadgen-vs-aiperf":
+        from bench.loadgen.vs_aiperf import run as run_vs
 
-            return fake_server.run(args)
-        if args.bench_command == "loadgen-vs-aiperf":
-            from bench.profile.vs_aiperf import run as run_vs
+        run_vs(args.aiperf, args.out, args.cpu_rate, args.cpu_requests, args.rates, args.aiperf_rates, args.seconds)
+        return 0
+    if args.bench_command == "compare":
+        from bench.loadgen.compare import run as run_compare
 
-            run_vs(args.aiperf, args.out, args.cpu_rate, args.cpu_requests, args.rates, args.aiperf_rates, args.seconds)
-            return 0
-        if args.bench_command == "compare":
-            from bench.profile.compare import run as run_compare
+        return run_compare(args.a, args.b)
+    from bench.loadgen.config import config_from_args
 
-            return run_compare(args.a, args.b)
-        from bench.profile.config import config_from_args
+    cfg = config_from_args(args, "pdserve " + shlex.join(sys.argv[1:]))
+    if args.bench_command == "sweep":
+        from bench.loadgen.sweep import run as run_sweep
 
-        cfg = config_from_args(args, "pdserve " + shlex.join(sys.argv[1:]))
-        if args.bench_command == "sweep":
-            from bench.profile.sweep import run as run_sweep
+        return run_sweep(cfg, args.concurrencies, args.gpus, args.requests_per_concurrency)
+    from bench.loadgen.export import write_artifacts
+    from bench.loadgen.profile import run as run_profile
 
-            return run_sweep(cfg, args.concurrencies, args.gpus, args.requests_per_concurrency)
-        from bench.profile.export import write_artifacts
-        from bench.profile.profile import run as run_profile
-
-        result = run_profile(cfg)
-        write_artifacts(result, plots=not args.no_plots)
-        return 130 if result.was_cancelled else 0
-    except ProfileError as e:
-        print(f"pdserve bench {args.bench_command}: error: {e}", file=sys.stderr)
-        return 2
+    result = run_profile(cfg)
+    write_artifacts(result, plots=not args.no_plots)
+    return 130 if result.was_cancelled else 0
 
 
-def run(args: argparse.Namespace) -> int:
-    if args.bench_command in ("calibrate", "compare-plan"):
+def _dispatch(args: argparse.Namespace) -> int:
+    cmd = args.bench_command
+    if cmd in ("calibrate", "compare-plan"):
         from bench.plan.cli import run_bench
 
         return run_bench(args)
-    if args.bench_command in ("profile", "compare", "sweep", "fake-server", "loadgen-vs-aiperf"):
-        return _profile_commands(args)
-    if args.bench_command == "soak":
-        from bench.soak import run as run_soak
+    if cmd in ("profile", "compare", "sweep", "fake-server", "loadgen-vs-aiperf"):
+        return _loadgen(args)
+    if cmd == "soak":
+        from bench.perf.soak import run as run_soak
 
         return run_soak(args)
-    if args.bench_command == "engine-memory":
-        from bench.engine_memory import run as run_engine_memory
+    if cmd == "engine-memory":
+        from bench.perf.engine_memory import run as run_engine_memory
 
         return run_engine_memory(args)
-    if args.bench_command == "kv":
-        if args.e2e:
-            from bench.kv.e2e import run as run_e2e
+    if args.e2e:
+        from bench.perf.kv.e2e import run as run_e2e
 
-            run_e2e(args.out, args.repeats, tuple(args.impls), tuple(args.kinds))
-        else:
-            from bench.kv.micro import run as run_micro
+        run_e2e(args.out, args.repeats, tuple(args.impls), tuple(args.kinds))
+    else:
+        from bench.perf.kv.micro import run as run_micro
 
-            run_micro(args.out, args.total_mib, args.transports)
-        return 0
-    raise SystemExit("usage: pdserve bench profile|sweep|compare|fake-server|kv ...")
+        run_micro(args.out, args.total_mib, args.transports)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the `pdserve bench` tool `args.bench_command` names; its exit status."""
+    cmd = getattr(args, "bench_command", None)
+    if cmd not in TOOLS:
+        print(f"pdserve bench: error: usage: pdserve bench {'|'.join(TOOLS)} ...", file=sys.stderr)
+        return 2
+    try:
+        return _dispatch(args)
+    except BenchError as e:
+        print(f"pdserve bench {cmd}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,5 +1,6 @@
-"""Reading the JSON files bench tools exchange (plans, profile summaries, data files): one
-place that turns a missing or malformed file into the caller's one-line error."""
+"""Reading the JSON files bench tools exchange (profile summaries, system profiles, model
+configs): one place that turns a missing or malformed file into the caller's one-line error.
+plan.json has its own reader, serve.deploy.plan.load_plan."""
 
 from __future__ import annotations
 

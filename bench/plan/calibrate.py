@@ -29,7 +29,7 @@ ONES = {"gemm": 1.0, "prefill_attention": 1.0, "hbm": 1.0, "decode_attention": 1
 
 
 def _measured(path: Path) -> dict[str, Any]:
-    from bench.profile.export import load_summary
+    from bench.loadgen.export import load_summary
 
     doc = load_summary(path)
     try:
@@ -132,25 +132,23 @@ def compare_plan(plan_path: str, artifact: str) -> dict[str, Any]:
 
     doc = read_plan(Path(plan_path))
     run = _measured(Path(artifact))
-    win = doc["winner"]
-    best = doc.get(f"{win}_best") if win else None
-    if not best:
+    best = doc.best()
+    if best is None:
         raise PlanError(f"{plan_path}: the plan has no winning layout")
-    pred = dict(best)
-    if win == "agg" and (run["waves"] or round(run["concurrency"]) != round(best["concurrency"])):
-        system = SystemSpec(**doc["system"])  # the plan is self-contained: no re-read of profiles
-        model = ModelShape(**doc["model"])
-        e = Engine(model, system, best["tp"], doc.get("kv_dtype", doc["inputs"]["kv_dtype"]), doc["inputs"]["weight_dtype"])
-        per = max(1, round(run["concurrency"] / best["replicas"]))
+    pred = {k: getattr(best, k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "tokens_per_s_per_gpu", "concurrency")}
+    if best.mode == "agg" and (run["waves"] or round(run["concurrency"]) != round(best.concurrency)):
+        system = SystemSpec.from_plan(doc.system)  # the plan is self-contained: no re-read of profiles
+        model = ModelShape.from_plan(doc.model)
+        e = Engine(model, system, best.tp, doc.kv_cache_dtype, doc.inputs.weight_dtype)
+        per = max(1, round(run["concurrency"] / best.replicas))
         fn = predict_agg_waves if run["waves"] else predict_agg
-        p = fn(e, per, best["replicas"], round(run["isl"]), max(2, round(run["osl"])))
-        pred.update({k: getattr(p, k) for k in ("ttft_ms", "tpot_ms", "tokens_per_s", "tokens_per_s_per_gpu", "concurrency")})
-    gpus = best["gpus"]
+        p = fn(e, per, best.replicas, round(run["isl"]), max(2, round(run["osl"])))
+        pred.update({k: getattr(p, k) for k in pred})
     rows = [("TTFT p50 (ms)", pred["ttft_ms"], run["ttft_ms"]), ("TPOT/ITL p50 (ms)", pred["tpot_ms"], run["tpot_ms"]),
             ("output tokens/s", pred["tokens_per_s"], run["tokens_per_s"]),
-            ("output tokens/s/GPU", pred["tokens_per_s_per_gpu"], run["tokens_per_s"] / gpus)]
+            ("output tokens/s/GPU", pred["tokens_per_s_per_gpu"], run["tokens_per_s"] / best.gpus)]
     how = "closed loop of fixed-length requests: synchronized" if run["waves"] else "steady state"
-    print(f"plan {plan_path} ({best['layout']}, predicted at concurrency {pred['concurrency']:.0f}, {how}) "
+    print(f"plan {plan_path} ({best.layout}, predicted at concurrency {pred['concurrency']:.0f}, {how}) "
           f"vs run {artifact} (concurrency {run['concurrency']})")
     print(f"{'metric':22s} {'predicted':>12s} {'measured':>12s} {'measured/predicted':>19s}")
     out = []
@@ -158,4 +156,4 @@ def compare_plan(plan_path: str, artifact: str) -> dict[str, Any]:
         ratio = m / p if p else None
         out.append({"metric": name, "predicted": p, "measured": m, "ratio": ratio})
         print(f"{name:22s} {p:12.2f} {m:12.2f} {ratio:19.3f}")
-    return {"layout": best["layout"], "rows": out}
+    return {"layout": best.layout, "rows": out}

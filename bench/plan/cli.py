@@ -1,15 +1,20 @@
 """`pdserve plan ...` (the guide's AIConfigurator call, in our words) and the two bench tools
-that tie plans to measurements: `bench calibrate` and `bench compare-plan`."""
+that tie plans to measurements: `bench calibrate` and `bench compare-plan`.
+
+`add_command` is what the serve CLI discovers (entry point group `pdserve.commands`,
+`plan = "bench.plan.cli:add_command"`); `add_bench_parsers` is called by bench.cli.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from bench.plan.errors import PlanError
+from bench.errors import BenchError
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
+def add_command(sub: argparse._SubParsersAction) -> None:
+    """Add `plan` to the `pdserve` subcommands; its `run` default runs it."""
     from bench.plan.specs import system_names
 
     p = sub.add_parser(
@@ -35,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--network", choices=["rdma", "tcp"], default="rdma", help="KV transfer network (default: rdma)")
     p.add_argument("--save-dir", "--save_dir", dest="save_dir", default="artifacts/plan",
                    help="where plan.json and the tables go (default: artifacts/plan)")
+    p.set_defaults(run=run_plan)
 
 
 def add_bench_parsers(bsub: argparse._SubParsersAction) -> None:
@@ -58,24 +64,23 @@ def run_plan(args: argparse.Namespace) -> int:
                               osl=args.osl, ttft_ms=args.ttft, tpot_ms=args.tpot, backend=args.backend,
                               kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, network=args.network))
         write(doc, args.save_dir)
-    except PlanError as e:
+    except BenchError as e:
         print(f"pdserve plan: error: {e}", file=sys.stderr)
         return 2
     print(summary_text(doc))
     print(f"saved: {args.save_dir}/plan.json, agg_best.csv, disagg_best.csv, pareto.csv, pareto.png, launch.sh")
-    return 0 if doc["winner"] else 1
+    return 0 if doc.winner else 1
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from bench.plan.calibrate import calibrate, compare_plan
-    from bench.profile.errors import ProfileError
 
     try:
         if args.bench_command == "calibrate":
             calibrate(args.artifact_dirs, args.out, args.memory_gib)
         else:
             compare_plan(args.plan, args.artifact_dir)
-    except (PlanError, ProfileError) as e:
+    except BenchError as e:
         print(f"pdserve bench {args.bench_command}: error: {e}", file=sys.stderr)
         return 2
     return 0

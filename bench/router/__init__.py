@@ -1,0 +1,1 @@
+"""`python -m bench.router.micro` only (the benchmark itself: bench.perf.router_micro)."""

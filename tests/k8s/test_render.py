@@ -4,15 +4,33 @@ counts, TP and batch, and renders and validates like the shipped overlays."""
 from __future__ import annotations
 
 import json
+from importlib.resources import files
 
 import pytest
 
 from bench.plan.report import PlanInputs, plan, write
-from serve.cli import main
-from tests.k8s.manifests import by_kind, env_of, render_dir, worker_containers
+from serve.deploy import k8s
+from serve.deploy.plan import DeployError, load_plan
+from tests.bench.commands import pdserve
+from tests.k8s.manifests import K8S, by_kind, env_of, render_dir, worker_containers
 from tests.k8s.test_manifests import validate
 
 GUIDE = PlanInputs("nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1", "h200_sxm", 4, 4000, 500, 600, 16.67)
+
+
+def manifests_installed() -> bool:
+    try:
+        return files(k8s.MANIFESTS_PACKAGE).joinpath("base").joinpath("kustomization.yaml").is_file()
+    except ModuleNotFoundError:
+        return False
+
+
+def main(argv: list[str]) -> int:
+    """`pdserve k8s render ...`; the checkout's k8s/ only where the install lacks serve.deploy.manifests
+    (an editable install made before the package-dir mapping)."""
+    if argv[:2] == ["k8s", "render"] and "--manifests" not in argv and not manifests_installed():
+        argv = [*argv, "--manifests", str(K8S)]
+    return pdserve(argv)
 
 
 def planned(tmp_path, inputs: PlanInputs = GUIDE):
@@ -42,28 +60,29 @@ def pools(docs: list[dict]) -> dict[str, tuple[int, str, str, str]]:
 
 def test_render_winner_reproduces_the_aggregated_plan(tmp_path):
     doc = planned(tmp_path)
-    assert doc["winner"] == "agg"
-    a = doc["agg_best"]
+    assert doc.winner == "agg"
+    a = doc.agg_best
     docs = rendered(tmp_path, "--storage-class", "cephfs", "--namespace", "llm")
-    assert pools(docs) == {"pdserve-agg": (a["replicas"], str(a["tp"]), str(a["batch"]), str(a["tp"]))}
+    assert pools(docs) == {"pdserve-agg": (a.replicas, str(a.tp), str(a.batch), str(a.tp))}
     assert by_kind(docs, "PersistentVolumeClaim")["pdserve-model-cache"]["spec"]["storageClassName"] == "cephfs"
     assert {d["metadata"].get("namespace") for d in docs} == {"llm"}
     assert by_kind(docs, "ConfigMap")["pdserve-config"]["data"]["PDSERVE_MODEL"] == GUIDE.model
     hpa = by_kind(docs, "HorizontalPodAutoscaler")["pdserve-agg"]["spec"]
-    assert hpa["minReplicas"] == a["replicas"]
+    assert hpa["minReplicas"] == a.replicas
     targets = {m["object"]["metric"]["name"]: m["object"]["target"]["value"] for m in hpa["metrics"] if "object" in m}
     assert targets == {"pdserve_frontend_ttft_p90_seconds": "540m", "pdserve_frontend_itl_p90_seconds": "15003u"}
+    assert load_plan(tmp_path / "overlay") == doc  # the overlay carries its plan
 
 
 def test_render_disagg_layout_with_mixed_tp(tmp_path):
     doc = planned(tmp_path)
-    d = doc["disagg_best"]
+    d = doc.disagg_best
     docs = rendered(tmp_path, "--layout", "disagg")
     assert pools(docs) == {
-        "pdserve-prefill": (d["prefill_workers"], str(d["prefill_tp"]), str(d["prefill_batch"]), str(d["prefill_tp"])),
-        "pdserve-decode": (d["decode_workers"], str(d["decode_tp"]), str(d["decode_batch"]), str(d["decode_tp"])),
+        "pdserve-prefill": (d.prefill_workers, str(d.prefill_tp), str(d.prefill_batch), str(d.prefill_tp)),
+        "pdserve-decode": (d.decode_workers, str(d.decode_tp), str(d.decode_batch), str(d.decode_tp)),
     }
-    assert d["prefill_tp"] != d["decode_tp"]  # the case exercises per-role TP
+    assert d.prefill_tp != d.decode_tp  # the case exercises per-role TP
     for name, _, c in worker_containers(docs):
         assert env_of(c, docs)["PDSERVE_KV_TRANSPORT"] == "rdma"
 
@@ -110,3 +129,28 @@ def test_render_refuses_bad_plans(tmp_path, capsys):
     planned(tmp_path)
     assert main(["k8s", "render", "--plan", str(tmp_path / "plan"), "--out", str(tmp_path / "o"),
                  "--model", "./not-a-hub-id"]) == 2
+
+
+def test_render_function_takes_options_and_a_plan_file(tmp_path):
+    doc = planned(tmp_path)
+    opts = k8s.RenderOptions(layout="agg", image="registry.local/pdserve:9", namespace="x",
+                             manifests=None if manifests_installed() else str(K8S))
+    out = k8s.render(tmp_path / "plan" / "plan.json", tmp_path / "o", opts)
+    docs = render_dir(out)
+    validate(docs)
+    assert pools(docs)["pdserve-agg"][0] == doc.agg_best.replicas
+    assert {c["image"] for _, _, c in worker_containers(docs)} == {"registry.local/pdserve:9"}
+
+
+def test_manifests_come_from_the_installed_package_only(tmp_path, monkeypatch):
+    planned(tmp_path)
+    monkeypatch.setattr(k8s, "MANIFESTS_PACKAGE", "serve.deploy.no_such_manifests")
+    with pytest.raises(DeployError, match="not installed: pass --manifests DIR"):
+        k8s.render(tmp_path / "plan", tmp_path / "o")
+    with pytest.raises(DeployError, match="is not pdserve's k8s/ directory"):
+        k8s.render(tmp_path / "plan", tmp_path / "o", k8s.RenderOptions(manifests=str(tmp_path)))
+
+
+def test_k8s_without_an_action_is_a_usage_error(capsys):
+    assert pdserve(["k8s"]) == 2
+    assert capsys.readouterr().err.startswith("pdserve k8s: error: usage:")

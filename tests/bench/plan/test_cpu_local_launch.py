@@ -22,8 +22,8 @@ def test_cpu_local_launch_command_serves(tmp_path):
     profile = tmp_path / "cpu-local.json"
     profile.write_text(json.dumps(_system(3e10, 5e9, 0.02, 1.5).to_dict()))
     doc = plan(PlanInputs("smollm2-135m-instruct", str(profile), 1, 128, 16, 5000, 500))
-    assert doc["winner"] == "agg"
-    up = shlex.split(doc["launch"]["up"])
+    assert doc.winner == "agg"
+    up = shlex.split(doc.launch.up)
     assert up[:3] == ["pdserve", "up", "--mode"] and "--kv-cache-dtype" not in up
     port = free_port()
     proc = Proc("plan-launch", [*up[1:], "--port", str(port), "--worker-base-port", str(free_port())])

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
 from bench.plan.errors import PlanError
 from bench.plan.perf import Prediction
-from bench.plan.report import PLAN_SCHEMA, PlanInputs, plan, read_plan, write
+from bench.plan.report import PlanInputs, plan, read_plan, write
 from bench.plan.search import Layout, Targets, _meets, pareto, rank
+from serve.deploy.plan import PLAN_SCHEMA, Plan
 
 GUIDE = PlanInputs("nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1", "h200_sxm", 4, 4000, 500, 600, 16.67)
 
@@ -41,26 +43,32 @@ def test_pareto_front():
 
 def test_guide_case_aggregated_wins_with_tp1_replicas(tmp_path):
     doc = plan(GUIDE)
-    a, d = doc["agg_best"], doc["disagg_best"]
-    assert doc["winner"] == "agg"
-    assert (a["tp"], a["replicas"]) == (1, 4)
-    assert d is not None and doc["disagg_over_agg"] < 1
-    assert a["ttft_ms"] <= 600 and a["tpot_ms"] <= 16.67 and d["ttft_ms"] <= 600 and d["tpot_ms"] <= 16.67
-    assert "--workers 4" in doc["launch"]["up"] and "--tensor-parallel-size 1" in doc["launch"]["up"]
-    c = round(a["concurrency"])
-    assert f"--concurrency {c} " in doc["load_test"] and f"--num-requests {40 * c} " in doc["load_test"]
-    assert "ignore_eos:true" in doc["load_test"]
+    assert isinstance(doc, Plan)
+    a, d = doc.agg_best, doc.disagg_best
+    assert doc.winner == "agg" and doc.best() == a
+    assert (a.tp, a.replicas) == (1, 4)
+    assert d is not None and doc.disagg_over_agg < 1
+    assert a.ttft_ms <= 600 and a.tpot_ms <= 16.67 and d.ttft_ms <= 600 and d.tpot_ms <= 16.67
+    assert "--workers 4" in doc.launch.up and "--tensor-parallel-size 1" in doc.launch.up
+    c = round(a.concurrency)
+    assert f"--concurrency {c} " in doc.load_test and f"--num-requests {40 * c} " in doc.load_test
+    assert "ignore_eos:true" in doc.load_test
 
 
 def test_plan_files_round_trip(tmp_path):
     doc = plan(GUIDE)
     write(doc, tmp_path)
     back = read_plan(tmp_path)
-    assert back == json.loads(json.dumps(doc))
-    assert back["schema"] == PLAN_SCHEMA
+    assert back == doc and back == read_plan(tmp_path / "plan.json")
+    assert back.schema == PLAN_SCHEMA
+    raw = json.loads((tmp_path / "plan.json").read_text())
+    assert raw == msgspec.to_builtins(doc)  # every field, None included, as plan.json has always had
+    assert list(raw) == ["schema", "inputs", "model", "system", "targets", "kv_dtype", "agg_best", "disagg_best",
+                         "winner", "disagg_over_agg", "agg_top", "disagg_top", "pareto", "searched", "launch",
+                         "load_test"]
     rows = (tmp_path / "agg_best.csv").read_text().splitlines()
     assert "tokens_per_s_per_gpu" in rows[0].split(",")
-    assert float(rows[1].split(",")[2]) == pytest.approx(doc["agg_best"]["tokens_per_s_per_gpu"], rel=1e-6)
+    assert float(rows[1].split(",")[2]) == pytest.approx(doc.agg_best.tokens_per_s_per_gpu, rel=1e-6)
     assert (tmp_path / "disagg_best.csv").read_text().startswith("rank,layout,tokens_per_s_per_gpu")
     assert (tmp_path / "pareto.png").stat().st_size > 1000
     assert "pdserve up --mode agg" in (tmp_path / "launch.sh").read_text()
@@ -72,16 +80,16 @@ def test_plan_files_round_trip(tmp_path):
 def test_tighter_targets_filter_more():
     loose = plan(GUIDE)
     tight = plan(PlanInputs(GUIDE.model, GUIDE.system, 4, 4000, 500, 600, 8.0))
-    assert tight["agg_best"]["tpot_ms"] <= 8.0
-    assert tight["agg_best"]["tokens_per_s_per_gpu"] < loose["agg_best"]["tokens_per_s_per_gpu"]
+    assert tight.agg_best.tpot_ms <= 8.0
+    assert tight.agg_best.tokens_per_s_per_gpu < loose.agg_best.tokens_per_s_per_gpu
     none = plan(PlanInputs(GUIDE.model, GUIDE.system, 4, 4000, 500, 1.0, 16.67))
-    assert none["winner"] is None and none["agg_best"] is None
+    assert none.winner is None and none.agg_best is None and none.best() is None and none.launch is None
 
 
 def test_rdma_beats_tcp_for_disaggregation():
     rdma = plan(PlanInputs("Llama-3.1-70B-Instruct", "h100_sxm", 16, 8000, 200, 2000, 50, network="rdma"))
     tcp = plan(PlanInputs("Llama-3.1-70B-Instruct", "h100_sxm", 16, 8000, 200, 2000, 50, network="tcp"))
-    assert rdma["disagg_best"]["tokens_per_s_per_gpu"] > tcp["disagg_best"]["tokens_per_s_per_gpu"]
+    assert rdma.disagg_best.tokens_per_s_per_gpu > tcp.disagg_best.tokens_per_s_per_gpu
 
 
 def test_bad_inputs_are_plan_errors():

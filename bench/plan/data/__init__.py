@@ -1,0 +1,1 @@
+"""The planner's data files (models.json, systems.json), read with importlib.resources."""
