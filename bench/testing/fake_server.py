@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ class FakeServer:
             self._server = await loop.create_server(lambda: _Conn(self), self.cfg.host, self.cfg.port,
                                                     reuse_address=True, backlog=4096)
         except OSError as e:
-            raise FakeServerError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror or e}") from None
+            why = os.strerror(e.errno) if e.errno else str(e)
+            raise FakeServerError(f"cannot listen on {self.cfg.host}:{self.cfg.port}: {why}") from None
         return self._server.sockets[0].getsockname()[1]
 
     async def stop(self) -> None:
