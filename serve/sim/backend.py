@@ -45,6 +45,7 @@ class SimRole:
     handshake_timeout_s: float = 5.0
     cluster_token: str | None = None
     kv_events_bind: str | None = None  # where to publish KV events (None: not published)
+    fault_pause_s: float = 0.0  # test-only: a decode waits this long before it acquires
 
 
 class SimBackend:
@@ -87,7 +88,7 @@ class SimBackend:
             self.holder.start()
         elif r.role == "decode":
             self.reader = Reader(lambda: self._metadata, r.cluster_token, r.handshake_timeout_s,
-                                 self.opts.kv_bandwidth_gbps, self.stats)
+                                 self.opts.kv_bandwidth_gbps, self.stats, r.fault_pause_s)
         self.engine.start()
         self._report = asyncio.create_task(self._report_loop())
         log.info("sim engine %s (%s): %d blocks of %d tokens, max_num_seqs %d, step model %s", r.engine_id, r.role,

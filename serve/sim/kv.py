@@ -152,8 +152,9 @@ class Reader:
     """The decode side: loads a request's KV from its holder, or says why it cannot."""
 
     def __init__(self, local: Callable[[], EngineMetadata], token: str | None, timeout_s: float,
-                 bandwidth_gbps: float, stats: StatsBox) -> None:
+                 bandwidth_gbps: float, stats: StatsBox, fault_pause_s: float = 0.0) -> None:
         self.local = local
+        self.fault_pause_s = fault_pause_s  # test-only: wait this long before each acquire
         self.token = token
         self.timeout_s = timeout_s
         self.bandwidth_gbps = bandwidth_gbps
@@ -170,6 +171,8 @@ class Reader:
 
     async def load(self, params: TransferParams) -> bool:
         """True once the blocks were read (and released); False: compute the prompt locally."""
+        if self.fault_pause_s:
+            await asyncio.sleep(self.fault_pause_s)
         t0 = time.monotonic()
         try:
             await asyncio.to_thread(self._acquire, params)
