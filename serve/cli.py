@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from serve import drain, flags, model_command
+from serve import drain_client, flags, model_command
 from serve.deploy.launcher import UpSettings
 from serve.errors import PdserveError
 from serve.frontend.settings import FrontendSettings
@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         add_command(sub)
     d = sub.add_parser("drain", help="take a frontend or worker out of rotation and wait for its requests "
                                      "(a Kubernetes preStop hook)")
-    drain.add_arguments(d)
-    d.set_defaults(run=drain.run_client)
+    drain_client.add_arguments(d)
+    d.set_defaults(run=drain_client.run_client)
     m = sub.add_parser("model", help="prepare models")
     model_command.add_arguments(m)
     m.set_defaults(run=model_command.run)

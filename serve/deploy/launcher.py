@@ -23,8 +23,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-import httpx
-
 from serve import flags, listen
 from serve.common.procs import Child, meminfo_available_gib, signal_group
 from serve.errors import PdserveError
@@ -158,6 +156,8 @@ class Launcher:
         return child
 
     def _wait_ready(self, pending: list[Child], deadline: float) -> None:
+        import httpx
+
         with httpx.Client(timeout=2.0) as client:
             while pending:
                 if self._stopping:
