@@ -55,3 +55,31 @@ def frontend(agg_worker: str, model_dir: str) -> Iterator[str]:
     finally:
         proc.stop()
 
+
+
+@pytest.fixture(scope="session")
+def sim_agg(model_dir: str):
+    """The real frontend in front of one simulated aggregated worker, in this process (a
+    background thread's event loop): `.url` is the frontend, `.urls("agg")[0]` the worker."""
+    from tests.helpers.simthread import ThreadedSimCluster
+
+    with ThreadedSimCluster(model_dir, ["agg"], engine_flags=[
+            "--max-num-seqs", "64", "--block-size", "16", "--num-gpu-blocks", "4096",
+            "--sim-step-model", "constant:0.002"]) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def sim_worker(model_dir: str) -> Iterator[str]:
+    """One simulated aggregated worker as its own process (`pdserve worker --engine sim`),
+    10 ms a step, for tests of the frontend process that need a worker but no real engine."""
+    port = free_port()
+    proc = Proc("sim-worker", ["worker", "--engine", "sim", "--role", "agg", "--host", "127.0.0.1", "--port",
+                               str(port), "--model", model_dir, "--served-model-name", MODEL,
+                               "--sim-step-model", "constant:0.01", "--max-num-seqs", "32"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        proc.wait_http(f"{url}/health", 120)
+        yield url
+    finally:
+        proc.stop()

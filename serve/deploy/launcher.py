@@ -61,12 +61,16 @@ class UpSettings:
     frontend_args: list[str] = field(default_factory=list)
     worker_args: list[str] = field(default_factory=list)
     role_args: dict[str, list[str]] = field(default_factory=dict)  # extra worker flags per role
+    engine: str = "vllm"  # vllm | sim
 
     @staticmethod
     def add_arguments(u: argparse.ArgumentParser) -> None:
         u.add_argument("--host", default=flags.DEFAULT_HOST, help="bind address for every process (default: 127.0.0.1)")
         u.add_argument("--port", type=int, default=8000, help="frontend port (default: 8000)")
         u.add_argument("--advertise-host", default=None, help="host others should dial (default: --host)")
+        u.add_argument("--engine", choices=["vllm", "sim"], default="vllm",
+                       help="vllm: real engines, one process each; sim: simulated workers (serve.sim), one process "
+                            "per role with all of that role's workers (default: vllm)")
         u.add_argument("--mode", choices=["agg", "disagg"], default="agg",
                        help="agg: --workers aggregated workers; disagg: --prefill and --decode workers (default: agg)")
         u.add_argument("--workers", type=int, default=1, help="agg mode: number of aggregated workers (default: 1)")
@@ -122,7 +126,8 @@ class UpSettings:
                    worker_base_port=args.worker_base_port, model=args.model,
                    served_model_name=args.served_model_name, kv_cache_gib=args.kv_cache_gib,
                    ready_timeout_s=args.ready_timeout, log_level=args.log_level,
-                   frontend_args=flags.router_flags(args), worker_args=worker_args, role_args=role_args)
+                   frontend_args=flags.router_flags(args), worker_args=worker_args, role_args=role_args,
+                   engine=args.engine)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -140,7 +145,7 @@ class Launcher:
     def __init__(self, settings: UpSettings) -> None:
         self.s = settings
         self.children: list[Child] = []
-        self.health_urls: dict[str, str] = {}
+        self.health_urls: dict[str, list[str]] = {}  # child -> URLs that must answer 200
         self._stopping = False
         self._frontend_sock: socket.socket | None = None
 
@@ -148,9 +153,9 @@ class Launcher:
         host = self.s.advertise_host or self.s.host
         return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
-    def _spawn(self, name: str, args: list[str], health_url: str, pass_fds: tuple[int, ...] = ()) -> Child:
+    def _spawn(self, name: str, args: list[str], health_urls: list[str], pass_fds: tuple[int, ...] = ()) -> Child:
         child = Child(name, [sys.executable, "-m", "serve.cli", *args], pass_fds=pass_fds)
-        self.health_urls[child.name] = health_url
+        self.health_urls[child.name] = list(health_urls)
         self.children.append(child)
         print(f"pdserve up: started {name} (pid {child.pid})", flush=True)
         return child
@@ -166,12 +171,15 @@ class Launcher:
                     rc = child.popen.poll()
                     if rc is not None:
                         raise PdserveError(f"{child.name} exited with status {rc} during start-up")
+                    urls = self.health_urls[child.name]
                     try:
-                        if client.get(self.health_urls[child.name]).status_code == 200:
-                            pending.remove(child)
-                            print(f"pdserve up: {child.name} ready", flush=True)
+                        while urls and client.get(urls[0]).status_code == 200:
+                            urls.pop(0)
                     except httpx.HTTPError:
                         pass
+                    if not urls:
+                        pending.remove(child)
+                        print(f"pdserve up: {child.name} ready", flush=True)
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(c.name for c in pending)
                     raise PdserveError(f"not ready after {self.s.ready_timeout_s:.0f}s: {names}")
@@ -184,19 +192,22 @@ class Launcher:
         # The frontend's port first: a port in use fails here, before minutes of engine starts,
         # and nothing (an ephemeral outgoing port) can take it while the workers start.
         self._frontend_sock = listen.bind(self.s.host, self.s.port)
-        port = self._frontend_sock.getsockname()[1]
+        fe_port = self._frontend_sock.getsockname()[1]
         model = resolve_model(self.s.model)  # convert the embedded model once, before any worker
         name = self.s.served_model_name or served_name(self.s.model)
         dial = self._dial_host()
-        frontend_url = f"http://{dial}:{port}"
+        frontend_url = f"http://{dial}:{fe_port}"
         ncpu = os.cpu_count() or 1
         common = ["--model", model, "--served-model-name", name, "--log-level", self.s.log_level]
         worker_urls = []
         deadline = time.monotonic() + self.s.ready_timeout_s
-        kv_gib = fit_kv_cache(self.s.kv_cache_gib, len(self.s.roles), available_memory_gib())
         counts: dict[str, int] = {}
+        if self.s.engine == "sim":
+            worker_urls = self._start_sim(dial, frontend_url, common, counts, deadline)
+        kv_gib = fit_kv_cache(self.s.kv_cache_gib, len(self.s.roles), available_memory_gib()) \
+            if self.s.engine != "sim" else self.s.kv_cache_gib
         # Prefill workers first, then decode (or agg) workers, each pinned to its own core.
-        for i, role in enumerate(self.s.roles):
+        for i, role in enumerate(self.s.roles if self.s.engine != "sim" else []):
             n = counts[role] = counts.get(role, -1) + 1
             port = self.s.worker_base_port + i
             url = f"http://{dial}:{port}"
@@ -207,25 +218,49 @@ class Launcher:
                     *self.s.role_args.get(role, [])]
             if self.s.advertise_host:
                 args += ["--advertise-host", self.s.advertise_host]
-            child = self._spawn(f"worker {role}-{n} ({url})", args, f"{url}/health")
+            child = self._spawn(f"worker {role}-{n} ({url})", args, [f"{url}/health"])
             self._wait_ready([child], deadline)
         fd = self._frontend_sock.fileno()
-        fargs = ["frontend", "--host", self.s.host, "--port", str(port), "--listen-fd", str(fd), *common,
+        fargs = ["frontend", "--host", self.s.host, "--port", str(fe_port), "--listen-fd", str(fd), *common,
                  *self.s.frontend_args]
         for url in worker_urls:
             fargs += ["--worker", url]
-        frontend = self._spawn(f"frontend ({frontend_url})", fargs, f"{frontend_url}/health", pass_fds=(fd,))
+        frontend = self._spawn(f"frontend ({frontend_url})", fargs, [f"{frontend_url}/health"], pass_fds=(fd,))
         self._frontend_sock.close()  # the frontend holds it now
         self._frontend_sock = None
         self._wait_ready([frontend], time.monotonic() + 60)
+        kind = "simulated " if self.s.engine == "sim" else ""
         print(
             f"\npdserve is up: OpenAI API at {frontend_url}/v1 (model {name!r}, workers: "
-            f"{', '.join(f'{n + 1} {r}' for r, n in counts.items())})\n"
+            f"{', '.join(f'{n + 1} {kind}{r}' for r, n in counts.items())})\n"
             f"  curl {frontend_url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
             + ("    -H \"Authorization: Bearer $PDSERVE_API_KEY\" \\\n" if os.environ.get("PDSERVE_API_KEY") else "") +
             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"What is the capital of France?\"}}]}}'\n"
             f"Stop with Ctrl-C.", flush=True)
+
+    def _start_sim(self, dial: str, frontend_url: str, common: list[str], counts: dict[str, int],
+                   deadline: float) -> list[str]:
+        """Simulated workers: one process per role, each serving that role's workers on
+        consecutive ports (`pdserve worker --engine sim --replicas N`)."""
+        urls: list[str] = []
+        port = self.s.worker_base_port
+        for role in dict.fromkeys(self.s.roles):  # prefill, then decode (or agg), in order
+            n = counts[role] = self.s.roles.count(role)
+            role_urls = [f"http://{dial}:{port + i}" for i in range(n)]
+            args = ["worker", "--engine", "sim", "--replicas", str(n), "--role", role, "--host", self.s.host,
+                    "--port", str(port), "--kv-cache-gib", f"{self.s.kv_cache_gib:g}", "--frontend", frontend_url,
+                    "--worker-id", f"sim-{role}", *common, *self.s.worker_args, *self.s.role_args.get(role, [])]
+            if self.s.advertise_host:
+                args += ["--advertise-host", self.s.advertise_host]
+            child = self._spawn(f"{n} simulated {role} worker(s) (ports {port}-{port + n - 1})", args,
+                                [f"{u}/health" for u in role_urls])
+            self._wait_ready([child], deadline)
+            urls += role_urls
+            port += n
+        for r in counts:
+            counts[r] -= 1  # as the loop for real workers leaves them: the last index
+        return urls
 
     def stop(self) -> None:
         live = [c for c in self.children if c.popen.poll() is None]

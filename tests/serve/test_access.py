@@ -84,12 +84,11 @@ def test_side_channel_refuses_engines_without_the_token(caplog):
         server.close()
 
 
-@pytest.mark.engine
-def test_frontend_with_api_key_and_cluster_token(agg_worker, model_dir, monkeypatch):
+def test_frontend_with_api_key_and_cluster_token(sim_worker, model_dir, monkeypatch):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = Proc("frontend-auth", ["frontend", "--port", str(port), "--model", model_dir, "--served-model-name", MODEL,
-                                  "--worker", agg_worker, "--cluster-token", "clu5ter"],
+                                  "--worker", sim_worker, "--cluster-token", "clu5ter"],
                 env={"PDSERVE_API_KEY": "sk-a,sk-b"})
     try:
         proc.wait_http(f"{url}/health", 120)   # health stays open
@@ -102,7 +101,7 @@ def test_frontend_with_api_key_and_cluster_token(agg_worker, model_dir, monkeypa
                            headers={"authorization": "Bearer sk-b"}, timeout=60)
             assert r.status_code == 200, r.text
         # Registration: refused (and logged) with a wrong token, accepted with the right one.
-        info = httpx.get(f"{agg_worker}/info").json()
+        info = httpx.get(f"{sim_worker}/info").json()
         reg = p.encode(p.Registration(info=msgspec.convert({**info, "worker_id": "w-x", "url": "http://127.0.0.1:9"},
                                                            p.WorkerInfo), lease_seconds=1))
         assert httpx.post(f"{url}/internal/register", content=reg).status_code == 401

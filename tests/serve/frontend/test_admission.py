@@ -81,12 +81,11 @@ def test_cancelled_waiter_does_not_leak_a_slot():
     asyncio.run(go())
 
 
-@pytest.mark.engine
-def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(agg_worker, model_dir):
+def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(sim_worker, model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = Proc("frontend-admission", ["frontend", "--port", str(port), "--model", model_dir,
-                                       "--served-model-name", MODEL, "--worker", agg_worker,
+                                       "--served-model-name", MODEL, "--worker", sim_worker,
                                        "--max-concurrent-requests", "1", "--max-queued-requests", "1",
                                        "--queue-timeout", "120"])
     try:
