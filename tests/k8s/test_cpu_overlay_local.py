@@ -29,7 +29,7 @@ import pytest
 
 from tests.conftest import ROOT, Proc, free_port
 from tests.k8s.manifests import by_kind, env_of, expand, render
-from tests.workerclient import metric, metrics, stream_in_background, wait_for
+from tests.helpers.workerclient import metric, metrics, stream_in_background, wait_for
 
 pytestmark = pytest.mark.engine
 

@@ -8,7 +8,6 @@ import logging
 
 import httpx
 import msgspec
-import pytest
 
 from kvtransfer.protocol import PROTOCOL_VERSION, Acquire, Hello, Reply, engine_auth
 from serve import protocol as p

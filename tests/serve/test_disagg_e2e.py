@@ -7,11 +7,10 @@ worker that has them. (Losing a prefill worker, and other faults: tests/test_fau
 
 from __future__ import annotations
 
-import json
-
 import httpx
 import pytest
 
+from serve.common import sse
 from tests.conftest import MODEL, Proc, free_port
 from tests.helpers.workerclient import metric, metrics, wait_for
 
@@ -91,14 +90,12 @@ def chat(url: str, messages, stream: bool = False, **kw) -> tuple[str, dict]:
     with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=120,
                       json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                ev = json.loads(line[6:])
-                assert "error" not in ev, ev
-                if ev.get("choices"):
-                    text += ev["choices"][0]["delta"].get("content") or ""
-                if ev.get("usage"):
-                    usage = ev["usage"]
+        for ev in sse.events(r.iter_lines()):
+            assert "error" not in ev, ev
+            if ev.get("choices"):
+                text += ev["choices"][0]["delta"].get("content") or ""
+            if ev.get("usage"):
+                usage = ev["usage"]
     return text, usage
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve.common import procs, sse
 from tests.conftest import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, Proc, free_port
 from tests.helpers.workerclient import metric, metrics, wait_for
 
@@ -133,8 +134,9 @@ def stream_events(c: Cluster, messages, max_tokens: int, out: list, started: thr
             "model": MODEL, "messages": messages, "temperature": 0, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}) as r:
         for line in r.iter_lines():
-            if line.startswith("data: "):
-                out.append(line[6:])
+            data = sse.payload(line)
+            if data is not None:
+                out.append(data)
                 if started is not None and len(out) >= 2:
                     started.set()
 
@@ -188,7 +190,7 @@ def test_clients_that_disconnect_leave_no_blocks_behind(cluster):
                 for line in r.iter_lines():
                     if seen >= wanted:
                         break
-                    seen += line.startswith("data: ")
+                    seen += sse.payload(line) is not None
         except httpx.HTTPError as exc:
             errors.append(repr(exc))
 
@@ -293,15 +295,7 @@ def test_prefill_killed_during_transfer_recomputes_with_the_same_answer(cluster)
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if int((d / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                    out.append(int(d.name))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
+    return procs.children(pid)
 
 
 def test_engine_core_killed_makes_the_worker_not_live(cluster):
@@ -310,7 +304,7 @@ def test_engine_core_killed_makes_the_worker_not_live(cluster):
     url = cluster.urls["prefill"]
     proc = cluster.procs["prefill"]
     assert httpx.get(f"{url}/live").status_code == 200
-    cores = [c for c in _children(proc.pid) if "EngineCore" in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace")]
+    cores = [c for c in _children(proc.pid) if "EngineCore" in procs.cmdline(c)]
     assert cores, "no engine-core child found"
     t0 = time.monotonic()
     for c in cores:

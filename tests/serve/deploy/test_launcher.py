@@ -12,42 +12,15 @@ from pathlib import Path
 import httpx
 import pytest
 
+from serve.common import procs
+from serve.common.procs import alive, cmdline
 from tests.conftest import LOG_DIR, MODEL, ROOT, free_port
 
 pytestmark = pytest.mark.engine
 
 
 def descendants(pid: int) -> set[int]:
-    """All live descendants of `pid`, from /proc (children files list direct children)."""
-    found: set[int] = set()
-    frontier = [pid]
-    while frontier:
-        p = frontier.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = (task / "children").read_text().split()
-            except OSError:
-                continue
-            for k in map(int, kids):
-                if k not in found:
-                    found.add(k)
-                    frontier.append(k)
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
+    return set(procs.descendants(pid))
 
 
 # disagg only: `pdserve up` in agg mode (what `make run` does) is started and served by

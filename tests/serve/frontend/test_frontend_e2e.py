@@ -5,13 +5,13 @@ against a simulated worker is in test_openai_api.py."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from serve.common import sse
 from tests.conftest import MODEL, Proc, free_port
 
 pytestmark = pytest.mark.engine
@@ -26,16 +26,9 @@ def post(url: str, path: str, body: dict, **kw) -> httpx.Response:
 
 
 def sse_events(resp: httpx.Response) -> list[dict]:
-    events = []
-    for line in resp.iter_lines():
-        if not line.startswith("data: "):
-            continue
-        data = line[len("data: "):]
-        if data == "[DONE]":
-            events.append({"done": True})
-        else:
-            events.append(json.loads(data))
-    return events
+    stream = sse.SseStream()
+    events = list(stream.parse(resp.iter_lines()))
+    return events + ([{"done": True}] if stream.done else [])
 
 
 def stream(url: str, path: str, body: dict) -> list[dict]:
@@ -190,7 +183,7 @@ def test_client_disconnect_mid_stream_aborts_in_engine(frontend, agg_worker):
         lines = resp.iter_lines()  # kept referenced: dropping the iterator would close the stream
         n = 0
         while n < 5:
-            if next(lines).startswith("data: "):
+            if sse.payload(next(lines)) is not None:
                 n += 1
         assert httpx.get(f"{agg_worker}/load").json()["active_requests"] == 1
     # Leaving the block closed the connection: the engine must drop the request long

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from serve.common import sse
 from tests.conftest import MODEL
 
 FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
@@ -76,13 +77,12 @@ def check(resp: httpx.Response) -> None:
         err = resp.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
     elif resp.headers.get("content-type", "").startswith("text/event-stream"):
-        assert resp.text.rstrip().endswith("data: [DONE]")
+        stream = sse.SseStream()
         # a failure after the stream started is an error event, never a 5xx
-        for line in resp.text.splitlines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                sse = json.loads(line[6:])
-                if "error" in sse:
-                    assert sse["error"]["message"]
+        for ev in stream.parse(resp.text.splitlines()):
+            if "error" in ev:
+                assert ev["error"]["message"]
+        assert stream.done
     else:
         assert resp.json()["choices"]
 
