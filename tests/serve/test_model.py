@@ -15,6 +15,7 @@ def converted(tmp_path_factory) -> Path:
     return m.prepare_embedded_model(tmp_path_factory.mktemp("model") / "smollm2")
 
 
+@pytest.mark.engine  # torch: a real conversion, ~20-40 s
 def test_conversion_produces_a_loadable_hf_directory(converted):
     assert m.is_ready(converted)
     cfg = json.loads((converted / "config.json").read_text())
@@ -25,6 +26,7 @@ def test_conversion_produces_a_loadable_hf_directory(converted):
     assert (converted / "model.safetensors").stat().st_size > 200_000_000
 
 
+@pytest.mark.engine  # torch: a real conversion, ~20-40 s
 def test_tokenizer_fixups(converted):
     from transformers import AutoTokenizer
 
@@ -40,6 +42,7 @@ def test_tokenizer_fixups(converted):
     assert "_model_name_or_path" not in cfg
 
 
+@pytest.mark.engine  # torch: a real conversion, ~20-40 s
 def test_prepare_is_idempotent(converted):
     mtime = (converted / "model.safetensors").stat().st_mtime_ns
     assert m.prepare_embedded_model(converted) == converted
