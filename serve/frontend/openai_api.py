@@ -67,6 +67,25 @@ async def read_json(request: Request, limit: int) -> Any:
         raise bad_request(f"request body is not valid JSON: {exc}") from None
 
 
+DISCARD_MAX_BYTES = 64 * 1024
+
+
+async def discard_small_body(request: Request, timeout_s: float = 1.0) -> None:
+    """Read and drop a small declared body before refusing the request: closing a connection
+    with unread bytes makes the kernel reset it, and the client may then see the reset
+    instead of the 429. A large (or undeclared) body is not read: refusing a flood must not
+    cost its bodies."""
+    declared = request.headers.get("content-length")
+    if declared is None or not declared.isdigit() or int(declared) > DISCARD_MAX_BYTES:
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for _ in request.stream():
+                pass
+    except (TimeoutError, ClientDisconnect):
+        pass
+
+
 def request_model(body: Any) -> tuple[str, type]:
     """(kind, pydantic model) of a body: chat when it has `messages`."""
     kind = "chat" if isinstance(body, dict) and "messages" in body else "completions"
@@ -102,6 +121,7 @@ class OpenAIApi:
         except Overloaded as exc:
             fe.metrics.rejected.labels("overloaded").inc()
             self._count(endpoint, False, 429)
+            await discard_small_body(request)
             return error_response(APIError(429, str(exc), "rate_limit_error", None, "server_overloaded",
                                            headers={"retry-after": str(fe.settings.retry_after_s)}))
         handed_over = False
