@@ -5,13 +5,13 @@ against a simulated worker is in test_openai_api.py."""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.common import sse
+from tests.helpers.openai import aborted_count, assert_envelope, wait_idle
 from tests.conftest import MODEL, Proc, free_port
 
 pytestmark = pytest.mark.engine
@@ -132,25 +132,6 @@ def test_prefix_cache_reports_cached_tokens(frontend):
     assert cached >= 128 and cached % 128 == 0  # whole CPU blocks of 128 tokens
 
 
-def assert_envelope(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["message"]
-    if param is not None:
-        assert err["param"] == param
-    return err
-
-
-def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                total += sample.value
-    return total
-
-
 def test_worker_reexports_vllm_metrics(agg_worker):
     text = httpx.get(f"{agg_worker}/metrics").text
     families = {f.name for f in text_string_to_metric_families(text)}
@@ -159,20 +140,6 @@ def test_worker_reexports_vllm_metrics(agg_worker):
     assert "pdserve_worker_requests" in families
     load = httpx.get(f"{agg_worker}/load").json()
     assert set(load) >= {"active_requests", "running_requests", "waiting_requests", "kv_usage"}
-
-
-def wait_idle(worker: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(f"{worker}/load").json()
-        if load["active_requests"] == 0:
-            return load
-        assert time.monotonic() < deadline, f"worker still busy: {load}"
-        time.sleep(0.2)
-
-
-def aborted_count(worker: str) -> float:
-    return metric_value(httpx.get(f"{worker}/metrics").text, "pdserve_worker_requests_total", {"outcome": "aborted"})
 
 
 def test_client_disconnect_mid_stream_aborts_in_engine(frontend, agg_worker):

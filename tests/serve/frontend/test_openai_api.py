@@ -5,13 +5,13 @@ text and the CPU seed crash, is in test_frontend_e2e.py.)"""
 
 from __future__ import annotations
 
-import time
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from serve.common import sse
+from tests.helpers.openai import aborted_count, assert_envelope, metric_value, wait_idle
 from tests.conftest import MODEL
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
@@ -141,16 +141,6 @@ def test_openai_client(sim_agg):
         client.chat.completions.create(model=MODEL, messages=FRANCE, n=2)
 
 
-def assert_envelope(r: httpx.Response, status: int, param: str | None = None) -> dict:
-    assert r.status_code == status, r.text
-    err = r.json()["error"]
-    assert set(err) == {"message", "type", "param", "code"}
-    assert err["message"]
-    if param is not None:
-        assert err["param"] == param
-    return err
-
-
 def test_bad_inputs_get_envelopes_and_server_keeps_serving(sim_agg):
     url = f"{sim_agg.url}/v1/chat/completions"
     assert_envelope(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
@@ -188,15 +178,6 @@ def test_route_explain_of_an_agg_deployment(sim_agg):
     ex = r.json()
     assert ex["path"] == "agg" and ex["prefill"] is None and ex["decode"]["chosen"] == sim_agg.urls("agg")[0]
     assert_envelope(post(sim_agg.url, "/v1/route/explain", {"model": MODEL}), 400, "prompt")  # no messages: a completion
-
-
-def metric_value(text: str, name: str, labels: dict[str, str] | None = None) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
-                total += sample.value
-    return total
 
 
 def test_metrics_count_requests(sim_agg):
@@ -244,20 +225,6 @@ def test_worker_exports_the_vllm_series_pdserve_reads_and_says_it_is_simulated(s
     assert [w["engine"] for w in rows] == ["sim"]
     load = httpx.get(f"{worker}/load").json()
     assert set(load) >= {"active_requests", "running_requests", "waiting_requests", "kv_usage"}
-
-
-def wait_idle(worker: str, timeout: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        load = httpx.get(f"{worker}/load").json()
-        if load["active_requests"] == 0:
-            return load
-        assert time.monotonic() < deadline, f"worker still busy: {load}"
-        time.sleep(0.05)
-
-
-def aborted_count(worker: str) -> float:
-    return metric_value(httpx.get(f"{worker}/metrics").text, "pdserve_worker_requests_total", {"outcome": "aborted"})
 
 
 def test_client_disconnect_mid_stream_aborts_in_engine(sim_agg):
