@@ -60,21 +60,43 @@ def test_disaggregated_answers_equal_aggregated_ones(model_dir):
     asyncio.run(run())
 
 
-def test_a_few_dozen_workers_share_the_load(model_dir):
+def test_a_few_dozen_workers_share_the_load_through_a_kill_and_expired_leases(model_dir):
+    """24 workers behind the real frontend, 96 concurrent requests: one prefill worker (slow)
+    is killed while it holds requests, and one decode worker reads too late for the 0.3 s
+    leases. Every client still gets exactly the unsplit answer."""
+    flags = ["--max-num-seqs", "4", "--block-size", "16", "--num-gpu-blocks", "256", "--sim-step-model", "constant:0.01"]
+    roles = ["prefill"] * 12 + ["decode"] * 12
+
     async def run() -> None:
-        roles = ["prefill"] * 12 + ["decode"] * 12
-        async with SimCluster(model_dir, roles, engine_flags=["--max-num-seqs", "4", "--block-size", "16",
-                                                              "--num-gpu-blocks", "256",
-                                                              "--sim-step-model", "constant:0.01"]) as c:
-            prompts = [f"request {i}: " + LONG[: 40 + 7 * i] for i in range(96)]
-            answers = await asyncio.gather(*(complete(c, p, 16) for p in prompts))
+        prompts = [f"request {i}: " + LONG[: 40 + 7 * i] for i in range(96)]
+        async with SimCluster(model_dir, ["agg"], engine_flags=flags) as ref:
+            want = [a["choices"][0]["text"] for a in await asyncio.gather(*(complete(ref, p, 16) for p in prompts))]
+        slow = {"engine_flags": [*flags[:-1], "constant:3"]}
+        per_worker = {i: {"kv_lease_seconds": 0.3} for i in range(12)}
+        per_worker[0] = {**slow, "kv_lease_seconds": 0.3}
+        per_worker[12] = {"kv_fault_pause_s": 1.0}
+        async with SimCluster(model_dir, roles, engine_flags=flags, per_worker=per_worker) as c:
+            victim, late = c.urls("prefill")[0], c.urls("decode")[0]
+            tasks = [asyncio.create_task(complete(c, p, 16)) for p in prompts]
+            for _ in range(300):  # until the slow prefill worker holds requests
+                if c.workers[victim].active:
+                    break
+                await asyncio.sleep(0.01)
+            assert c.workers[victim].active >= 1
+            await c.kill(victim)
+            answers = await asyncio.wait_for(asyncio.gather(*tasks), 60)
+            await asyncio.sleep(0.2)  # holders report expiries at their next settle
             m = await metrics(c, c.url)
             served = {url: metric(await metrics(c, url), "pdserve_worker_requests_total", role=w.settings.role,
                                   outcome="ok") for url, w in c.workers.items()}
+            late_m = await metrics(c, late)
+            expiries = sum([metric(await metrics(c, u), "pdserve_kv_lease_expiries_total") for u in c.urls("prefill")])
             decode = c.urls("decode")
-        assert all(a["usage"]["completion_tokens"] >= 1 for a in answers)
+        assert [a["choices"][0]["text"] for a in answers] == want
+        fallbacks = sum(v for (name, _), v in m.items() if name == "pdserve_frontend_prefill_fallbacks_total")
+        assert fallbacks >= 1  # the killed worker's requests
+        assert metric(late_m, "pdserve_kv_recomputes_total") >= 1 and expiries >= 1
         assert metric(m, "pdserve_frontend_request_paths_total", path="disagg") == 96
-        assert sum(served.values()) == 2 * 96  # each request: one prefill, one decode
         assert min(served[u] for u in decode) >= 1, served  # no decode worker left idle
         assert max(served[u] for u in decode) <= 24, served  # nor one taking a quarter of them
 
