@@ -81,6 +81,11 @@ def test_cancelled_waiter_does_not_leak_a_slot():
     asyncio.run(go())
 
 
+# Tokens of the request that holds the only slot: 8 s on the 10 ms-a-step simulated worker, so
+# the flood arrives while it is held even on a loaded machine.
+HOLD = 800
+
+
 def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(sim_worker, model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -100,7 +105,7 @@ def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(sim_worke
             with lock:
                 results.append(r)
 
-        first = threading.Thread(target=one, args=(256,))  # holds the only slot for seconds
+        first = threading.Thread(target=one, args=(HOLD,))  # holds the only slot for seconds
         first.start()
         # Wait until the first request holds the only slot, then send a flood of ten.
         deadline = time.monotonic() + 30
@@ -119,13 +124,13 @@ def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(sim_worke
                 err = r.json()["error"]
                 assert err["code"] == "server_overloaded" and int(r.headers["retry-after"]) > 0
             else:
-                assert r.json()["usage"]["completion_tokens"] in (16, 256)
+                assert r.json()["usage"]["completion_tokens"] in (16, HOLD)
         m = httpx.get(f"{url}/metrics").text
         assert 'pdserve_frontend_rejected_requests_total{reason="overloaded"} 9.0' in m
         assert "pdserve_frontend_queued_requests 0.0" in m
 
         # A refused request is answered before its body is read: it costs no buffer.
-        hold = threading.Thread(target=one, args=(256,))
+        hold = threading.Thread(target=one, args=(HOLD,))
         hold.start()
         deadline = time.monotonic() + 30
         while "pdserve_frontend_inflight_requests 1.0" not in httpx.get(f"{url}/metrics").text:
