@@ -10,29 +10,20 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from serve.common.names import EMBEDDED_MODEL_NAME, cache_root, embedded_model_dir
 from serve.errors import ModelError
 
-EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
+__all__ = ["EMBEDDED_MODEL_NAME", "cache_root", "embedded_model_dir", "prepare_embedded_model", "resolve_model",
+           "served_name", "download_model", "wait_for_model", "model_present", "is_ready"]
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Written last: a directory without it is an interrupted conversion, redone on next use.
 READY_MARKER = ".pdserve-ready"
 # Bumped when the conversion's output changes, so older caches are rebuilt.
 CONVERSION_VERSION = 2
-
-
-def cache_root() -> Path:
-    """`PDSERVE_CACHE`, else `~/.cache/pdserve`."""
-    env = os.environ.get("PDSERVE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "pdserve"
-
-
-def embedded_model_dir() -> Path:
-    return cache_root() / "models" / EMBEDDED_MODEL_NAME
 
 
 def find_gguf() -> Path:

@@ -149,7 +149,7 @@ def system_names() -> list[str]:
 
 
 def cpu_local_path() -> Path:
-    from serve.model import cache_root
+    from serve.common.names import cache_root
 
     return cache_root() / "plan" / "cpu-local.json"
 
