@@ -90,20 +90,12 @@ class ChunkBase(msgspec.Struct, frozen=True, kw_only=True):
 
 class ChatCompletionChunk(ChunkBase, frozen=True, kw_only=True):
     choices: list[ChatChunkChoice]
-
-
-class ChatCompletionChunkWithUsage(ChunkBase, frozen=True, kw_only=True):
-    choices: list[ChatChunkChoice]
-    usage: Usage | None
+    usage: Usage | None | msgspec.UnsetType = msgspec.UNSET  # null on each chunk with include_usage
 
 
 class CompletionChunk(ChunkBase, frozen=True, kw_only=True):
     choices: list[CompletionChoice]
-
-
-class CompletionChunkWithUsage(ChunkBase, frozen=True, kw_only=True):
-    choices: list[CompletionChoice]
-    usage: Usage | None
+    usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class UsageChunk(ChunkBase, frozen=True, kw_only=True):
@@ -151,6 +143,7 @@ class ChunkWriter:
         self.created = now()
         self.include_usage = include_usage
         self.object = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        self._usage = None if include_usage else msgspec.UNSET
 
     def role(self) -> bytes:
         return self._chat(Delta(role="assistant", content=""), None)
@@ -158,23 +151,17 @@ class ChunkWriter:
     def text(self, text: str | None, finish_reason: str | None) -> bytes:
         if self.kind == "chat":
             return self._chat(Delta(content=text) if text else Delta(), finish_reason)
-        choices = [CompletionChoice(text=text or "", finish_reason=finish_reason)]
-        if self.include_usage:
-            return sse(CompletionChunkWithUsage(id=self.id, object=self.object, created=self.created,
-                                                model=self.model, choices=choices, usage=None))
         return sse(CompletionChunk(id=self.id, object=self.object, created=self.created, model=self.model,
-                                   choices=choices))
+                                   choices=[CompletionChoice(text=text or "", finish_reason=finish_reason)],
+                                   usage=self._usage))
 
     def usage(self, usage: Usage) -> bytes:
         return sse(UsageChunk(id=self.id, object=self.object, created=self.created, model=self.model, usage=usage))
 
     def _chat(self, delta: Delta, finish_reason: str | None) -> bytes:
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish_reason)]
-        if self.include_usage:
-            return sse(ChatCompletionChunkWithUsage(id=self.id, object=self.object, created=self.created,
-                                                    model=self.model, choices=choices, usage=None))
         return sse(ChatCompletionChunk(id=self.id, object=self.object, created=self.created, model=self.model,
-                                       choices=choices))
+                                       choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
+                                       usage=self._usage))
 
 
 def final_body(kind: str, request_id: str, model: str, text: str, finish_reason: str | None,

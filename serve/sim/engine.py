@@ -121,6 +121,10 @@ class SimEngine:
         if len(prompt) + sampling.max_tokens > self.cfg.max_model_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) exceeds max_model_len "
                              f"{self.cfg.max_model_len}")
+        if self.table.blocks_needed(len(prompt) + sampling.max_tokens) > self.cfg.num_blocks:
+            # It could never be scheduled whole: refuse it now rather than leave it waiting.
+            raise ValueError(f"prompt ({len(prompt)}) + max_tokens ({sampling.max_tokens}) needs more KV blocks "
+                             f"than the cache holds ({self.cfg.num_blocks} of {self.cfg.block_size} tokens)")
         if not self.cfg.enable_chunked_prefill and len(prompt) > self.cfg.max_num_batched_tokens:
             raise ValueError(f"prompt ({len(prompt)}) exceeds max_num_batched_tokens "
                              f"{self.cfg.max_num_batched_tokens} without chunked prefill")

@@ -133,7 +133,7 @@ def test_abort_frees_blocks_and_ends_the_stream():
         vt = VirtualTime()
         e = engine(vt)
         e.start()
-        req = e.add("a", list(range(10)), greedy(400))
+        req = e.add("a", list(range(10)), greedy(200))  # 210 tokens of the 256 the cache holds
         await req.deltas.get()
         assert e.table.used_blocks > 0
         assert e.abort("a") and not e.abort("a")
@@ -196,3 +196,10 @@ def test_a_failed_remote_load_computes_the_prompt_locally():
     assert e.counters.prompt_external == 0 and e.counters.prompt_local_compute == 40
     assert [d.token_ids[0] for d in deltas] == [token_at(request_key(list(range(40)), greedy(2)), i, VOCAB,
                                                          greedy(2)) for i in range(2)]
+
+
+def test_a_request_the_cache_could_never_hold_is_refused_not_left_waiting():
+    e = engine(VirtualTime(), num_blocks=4)  # 16 tokens in all
+    with pytest.raises(ValueError, match="more KV blocks than the cache holds"):
+        e.add("a", list(range(10)), greedy(10))
+    e.add("b", list(range(10)), greedy(6))  # fits exactly
