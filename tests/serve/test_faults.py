@@ -258,7 +258,6 @@ def test_decode_killed_mid_stream_errors_its_client_only_and_the_lease_frees_its
     record("decode killed mid-stream", error_event_after_kill_s=error_after, held_blocks_freed_s=time.monotonic() - t_kill)
     assert metric(metrics(p), "pdserve_kv_lease_expiries_total") >= expired + 1  # freed unread, by the lease
     wait_for(lambda: cluster.urls[victim_worker] not in cluster.in_rotation(), 30, "dead decode worker out of rotation")
-    cluster.decode_left = keeper
     assert chat(cluster, QUESTION) == cluster.reference["q"]
 
 
@@ -344,7 +343,10 @@ def test_sigterm_on_a_worker_mid_stream_finishes_the_stream(cluster):
     t = threading.Thread(target=stream_events, args=(cluster, QUESTION, 64, out, started))
     t.start()
     assert started.wait(60)
-    name = cluster.decode_left
+    # The live decode worker carrying this stream (found here, so no earlier test's state is needed).
+    name = wait_for(lambda: next((n for n in ("decode1", "decode2") if n in cluster.procs
+                                  and cluster.procs[n].poll() is None and decode_busy(cluster, n) >= 1), None),
+                    30, "the stream's decode worker", interval=0.05)
     proc = cluster.procs[name]
     t0 = time.monotonic()
     proc.popen.send_signal(signal.SIGTERM)
