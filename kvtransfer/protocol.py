@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -156,6 +157,17 @@ def from_vllm_params(params: dict[str, Any] | None) -> TransferParams | None:
     if not inner.get("do_remote_prefill") or "remote" not in inner:
         return None
     return msgspec.convert(inner["remote"], TransferParams)
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """One read the scheduler hands its worker side (in the connector metadata): the holder's
+    blocks `remote_block_ids` into this engine's `local_block_ids`."""
+
+    request_id: str
+    remote: TransferParams
+    local_block_ids: list[int]
+    remote_block_ids: list[int]
 
 
 # -- kv_connector_extra_config -------------------------------------------------------------

@@ -28,7 +28,7 @@ from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.protocol import (
     PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Release, TransferParams, check_compatible, engine_auth,
 )
-from kvtransfer.scheduler import LoadSpec
+from kvtransfer.protocol import LoadSpec
 from kvtransfer.side_channel import SideChannelClient, unpin_thread
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.worker")

@@ -20,21 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvtransfer.protocol import TransferParams, from_vllm_params, to_vllm_params, wants_remote_decode
+from kvtransfer.protocol import LoadSpec, TransferParams, from_vllm_params, to_vllm_params, wants_remote_decode
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.scheduler")
-
-
-@dataclass(frozen=True)
-class LoadSpec:
-    request_id: str
-    remote: TransferParams
-    local_block_ids: list[int]
-    remote_block_ids: list[int]
 
 
 @dataclass

@@ -7,12 +7,34 @@ session and every test that needs them shares them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 # Re-exported: tests import these from here or from tests.helpers.procs.
 from tests.helpers.procs import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, ROOT, Proc, free_port  # noqa: F401
+
+
+# The suite runs under pytest-xdist (`-n auto --dist loadgroup`, pyproject.toml). Tests that
+# start real engines form one group, run one after another by a single xdist worker: two
+# vLLM engines at once would not fit 2 cores, and that worker starts each session-scoped
+# engine once. Every other module is a group of its own, so a module-scoped server starts
+# once, on one worker; the modules spread over the workers.
+ENGINE_GROUP = "engine"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        engine = item.get_closest_marker("engine") is not None
+        item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP if engine else item.nodeid.split("::")[0]))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """One per core (at least 2, at most 8): more, on 2 cores, measured slower (each worker
+    pays its own imports and session fixtures)."""
+    return max(2, min(8, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session")

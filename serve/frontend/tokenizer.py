@@ -8,6 +8,8 @@ rest arrives) and that never show a stop string or its beginning.
 
 from __future__ import annotations
 
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from serve.errors import ModelError
@@ -18,9 +20,7 @@ REPLACEMENT = "\ufffd"
 class Tokenizer:
     def __init__(self, model: str) -> None:
         try:
-            from transformers import AutoTokenizer
-
-            self.hf = AutoTokenizer.from_pretrained(model)
+            self.hf = _load(model, _version(model))
         except Exception as exc:  # transformers raises many types for a bad directory
             raise ModelError(f"cannot load the tokenizer of {model}: {exc}") from exc
         self.eos_token_id: int | None = self.hf.eos_token_id
@@ -39,6 +39,21 @@ class Tokenizer:
 
     def vocab_size(self) -> int:
         return len(self.hf)
+
+
+def _version(model: str) -> int:
+    """A local tokenizer's file version (0 for a hub id): a changed file is loaded again."""
+    f = Path(model).expanduser() / "tokenizer.json"
+    return f.stat().st_mtime_ns if f.is_file() else 0
+
+
+@lru_cache(maxsize=8)
+def _load(model: str, version: int) -> Any:
+    """One tokenizer per model in a process: frontends sharing a process (a simulated
+    cluster, tests) share it, as one frontend's requests already do."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
 
 
 class IncrementalDetokenizer:

@@ -150,8 +150,8 @@ class SimCluster:
         await served.stop()
 
     async def __aexit__(self, *exc: Any) -> None:
-        for url in list(self.served):
-            await self.served.pop(url).stop()
+        # All at once: each may wait out its graceful shutdown.
+        await asyncio.gather(*(self.served.pop(url).stop() for url in list(self.served)))
         self.workers.clear()
         if self.fe is not None:
             await self.fe.stop()

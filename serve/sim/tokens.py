@@ -16,6 +16,7 @@ import random
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from hashlib import blake2b
 from pathlib import Path
 
@@ -39,7 +40,13 @@ class Vocabulary:
         path = Path(model).expanduser() / "tokenizer.json" if model else None
         if path is None or not path.is_file():
             return cls(tuple(range(1000, DEFAULT_VOCAB)), None, DEFAULT_VOCAB)
-        vocab: dict[str, int] = json.loads(path.read_text())["model"]["vocab"]
+        # Read once per file version: a simulated cluster builds one per worker.
+        return _read_vocabulary(str(path.resolve()), path.stat().st_mtime_ns)
+
+    @classmethod
+    def _read(cls, path: Path) -> Vocabulary:
+        doc = json.loads(path.read_text())
+        vocab: dict[str, int] = doc["model"]["vocab"]
         words = sorted(i for tok, i in vocab.items() if tok.startswith("Ġ") and tok[1:].isascii()
                        and tok[1:].isalpha() and 2 <= len(tok) <= 9)
         eos = None
@@ -48,9 +55,14 @@ class Vocabulary:
             raw = json.loads(cfg.read_text()).get("eos_token_id")
             eos = raw[0] if isinstance(raw, list) and raw else raw if isinstance(raw, int) else None
         size = max(vocab.values()) + 1
-        for added in json.loads(path.read_text()).get("added_tokens", []):
+        for added in doc.get("added_tokens", []):
             size = max(size, int(added.get("id", 0)) + 1)
         return cls(tuple(words) or tuple(range(size)), eos, size)
+
+
+@lru_cache(maxsize=8)
+def _read_vocabulary(path: str, mtime_ns: int) -> Vocabulary:
+    return Vocabulary._read(Path(path))
 
 
 def request_key(prompt_ids: Sequence[int], sampling: p.SamplingOptions) -> bytes:

@@ -11,7 +11,7 @@ import pytest
 from kvtransfer.errors import TransferFailed
 from kvtransfer.protocol import Acquire, Release, Reply, TransferParams
 from kvtransfer.reader import Peer, Reader
-from kvtransfer.scheduler import LoadSpec
+from kvtransfer.protocol import LoadSpec
 from tests.kvtransfer.test_protocol import md
 
 

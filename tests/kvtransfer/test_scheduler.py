@@ -1,22 +1,36 @@
-"""Scheduler side decisions, with stand-in requests (no engine)."""
+"""Scheduler side decisions, with stand-in requests (no engine).
+
+vLLM is imported when a test runs, not when the module is collected: collecting the unit
+tests (in every xdist worker) does not pay for importing vLLM and torch."""
+
+from __future__ import annotations
 
 from types import SimpleNamespace
-
-from vllm.v1.request import RequestStatus
+from typing import TYPE_CHECKING
 
 from kvtransfer.protocol import TransferParams, from_vllm_params, remote_decode_request, to_vllm_params
-from kvtransfer.scheduler import PdScheduler
+
+if TYPE_CHECKING:
+    from kvtransfer.scheduler import PdScheduler
 
 BS = 128
 
 
+def status(name: str):
+    from vllm.v1.request import RequestStatus
+
+    return RequestStatus[name]
+
+
 def sched() -> PdScheduler:
+    from kvtransfer.scheduler import PdScheduler
+
     return PdScheduler("eng-p", "tcp://127.0.0.1:5555", BS, lease_seconds=7.0)
 
 
-def req(rid="r1", params=None, prompt=300, computed=0, status=RequestStatus.RUNNING):
+def req(rid="r1", params=None, prompt=300, computed=0, state=None):
     return SimpleNamespace(request_id=rid, kv_transfer_params=params, num_prompt_tokens=prompt,
-                           num_computed_tokens=computed, status=status)
+                           num_computed_tokens=computed, status=state if state is not None else status("RUNNING"))
 
 
 class Blocks:
@@ -38,7 +52,7 @@ def remote(blocks=(10, 11, 12), tokens=300) -> TransferParams:
 
 def test_prefill_finish_holds_blocks_and_returns_params():
     s = sched()
-    r = req(params=remote_decode_request(), status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    r = req(params=remote_decode_request(), state=status("FINISHED_LENGTH_CAPPED"))
     delay, params = s.request_finished(r, ([4, 5, 6],))
     assert delay is True
     p = from_vllm_params(params)
@@ -51,7 +65,7 @@ def test_prefill_finish_holds_blocks_and_returns_params():
 
 def test_aborted_prefill_frees_at_once():
     s = sched()
-    r = req(params=remote_decode_request(), status=RequestStatus.FINISHED_ABORTED)
+    r = req(params=remote_decode_request(), state=status("FINISHED_ABORTED"))
     assert s.request_finished(r, ([4, 5],)) == (False, None)
     assert s.build_connector_meta().holds == {}
 
@@ -59,7 +73,7 @@ def test_aborted_prefill_frees_at_once():
 def test_plain_request_is_untouched():
     s = sched()
     assert s.get_num_new_matched_tokens(req(), 0) == (0, False)
-    assert s.request_finished(req(status=RequestStatus.FINISHED_STOPPED), ([1],)) == (False, None)
+    assert s.request_finished(req(state=status("FINISHED_STOPPED")), ([1],)) == (False, None)
 
 
 def test_decode_reads_uncached_blocks_only():
@@ -88,6 +102,6 @@ def test_decode_aborted_before_its_read_releases_the_prefill_side():
     s = sched()
     r = req(params=to_vllm_params(remote()))
     s.get_num_new_matched_tokens(r, 0)
-    r.status = RequestStatus.FINISHED_ABORTED
+    r.status = status("FINISHED_ABORTED")
     assert s.request_finished(r, ([],)) == (False, None)
     assert [p.request_id for p in s.build_connector_meta().releases] == ["p-r1"]

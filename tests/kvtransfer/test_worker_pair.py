@@ -5,21 +5,32 @@ and a second read of the same (now freed) request is answered "gone" and recompu
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
-from kvtransfer.protocol import TransferParams
-from kvtransfer.scheduler import LoadSpec, PdConnectorMetadata
-from kvtransfer.worker import PdWorker, WorkerConfig
+from kvtransfer.protocol import LoadSpec, TransferParams
 from tests.helpers.procs import free_port
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("nixl._api")
+if TYPE_CHECKING:
+    from kvtransfer.worker import PdWorker
+
+
+def meta(**fields):
+    # The connector's modules import vLLM and torch: imported when a test runs, not when
+    # the unit tests are collected.
+    from kvtransfer.scheduler import PdConnectorMetadata
+
+    return PdConnectorMetadata(**fields)
 
 NUM_BLOCKS, BLOCK = 16, 16
 
 
 def make(engine_id: str, port: int) -> tuple[PdWorker, dict]:
+    import torch
+
+    from kvtransfer.worker import PdWorker, WorkerConfig
+
     ep = f"tcp://127.0.0.1:{port}"
     cfg = WorkerConfig(engine_id=engine_id, bind_endpoint=ep, advertise_endpoint=ep, lease_seconds=10.0,
                        read_timeout_s=5.0, handshake_timeout_s=2.0, transport="shm", model="m", dtype="bfloat16",
@@ -47,6 +58,8 @@ def steps_until(done, workers, timeout: float = 10.0) -> tuple[set, set, set]:
 
 @pytest.fixture
 def pair(monkeypatch):
+    pytest.importorskip("torch")
+    pytest.importorskip("nixl._api")
     monkeypatch.setenv("UCX_NET_DEVICES", "lo")
     pport = free_port()
     p, pkv = make("eng-p", pport)
@@ -59,13 +72,15 @@ def pair(monkeypatch):
 
 
 def test_read_moves_the_blocks_and_releases_the_holder(pair):
+    import torch
+
     p, pkv, d, dkv, side = pair
     for t in pkv.values():
         t.copy_(torch.randn(t.shape).to(torch.bfloat16))
-    p.start_load_kv(PdConnectorMetadata(holds={"r": (3, 10.0)}))
+    p.start_load_kv(meta(holds={"r": (3, 10.0)}))
     remote = TransferParams(engine_id="eng-p", request_id="r", block_ids=[2, 3, 4], num_tokens=40,
                             side_channel=side, lease_seconds=10.0)
-    d.start_load_kv(PdConnectorMetadata(loads=[LoadSpec("r", remote, [7, 8, 9], [2, 3, 4])]))
+    d.start_load_kv(meta(loads=[LoadSpec("r", remote, [7, 8, 9], [2, 3, 4])]))
     sending, recving, failed = steps_until(lambda s, r, f: "r" in s and "r" in r, [(p, {"r"}), (d, set())])
     assert (sending, recving, failed) == ({"r"}, {"r"}, set())
     for src, dst in zip(pkv.values(), dkv.values()):
@@ -78,7 +93,7 @@ def test_read_moves_the_blocks_and_releases_the_holder(pair):
     assert (pr["requests_held"], pr["blocks_released"], pr["held_blocks"], pr["lease_expiries"]) == (1, 3, 0, 0)
 
     # The same request again: its blocks are freed, the holder says "gone", the load recomputes.
-    d.start_load_kv(PdConnectorMetadata(loads=[LoadSpec("r", remote, [1], [2])]))
+    d.start_load_kv(meta(loads=[LoadSpec("r", remote, [1], [2])]))
     _, recving, failed = steps_until(lambda s, r, f: "r" in f, [(d, set())])
     assert failed == {"r"} and recving == {"r"}
     assert d.take_stats().reduce()["recomputes"] == 1

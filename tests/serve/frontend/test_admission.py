@@ -81,9 +81,42 @@ def test_cancelled_waiter_does_not_leak_a_slot():
     asyncio.run(go())
 
 
-# Tokens of the request that holds the only slot: 8 s on the 10 ms-a-step simulated worker, so
-# the flood arrives while it is held even on a loaded machine.
-HOLD = 800
+# The request that holds the only slot streams up to 2,000 tokens (20 s on the 10 ms-a-step
+# simulated worker) and is hung up on once the test is done with it: the flood arrives while it
+# is held even on a loaded machine, and the test does not wait for it to finish.
+HOLD = 2000
+
+
+class Holder:
+    """A streaming chat that holds a slot until `release()` hangs up on it."""
+
+    def __init__(self, url: str, body: dict):
+        self.first = threading.Event()
+        self.hangup = threading.Event()
+        self.status: int | None = None
+        self.thread = threading.Thread(target=self._run, args=(url, body), daemon=True)
+        self.thread.start()
+
+    def _run(self, url: str, body: dict) -> None:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json={**body, "max_tokens": HOLD, "stream": True},
+                          timeout=120) as r:
+            self.status = r.status_code
+            for _ in r.iter_lines():
+                self.first.set()
+                if self.hangup.is_set():
+                    return
+
+    def release(self) -> None:
+        self.hangup.set()
+        self.thread.join(60)
+        assert not self.thread.is_alive()
+
+
+def wait_metric(url: str, line: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in httpx.get(f"{url}/metrics").text:
+        assert time.monotonic() < deadline, f"timed out waiting for {line!r}"
+        time.sleep(0.05)
 
 
 def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(sim_worker, model_dir):
@@ -105,49 +138,49 @@ def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(sim_worke
             with lock:
                 results.append(r)
 
-        first = threading.Thread(target=one, args=(HOLD,))  # holds the only slot for seconds
-        first.start()
-        # Wait until the first request holds the only slot, then send a flood of ten.
-        deadline = time.monotonic() + 30
-        while "pdserve_frontend_inflight_requests 1.0" not in httpx.get(f"{url}/metrics").text:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        holder = Holder(url, body)  # holds the only slot until released
+        assert holder.first.wait(60)
+        wait_metric(url, "pdserve_frontend_inflight_requests 1.0")
         flood = [threading.Thread(target=one) for _ in range(10)]
         for t in flood:
             t.start()
-        for t in [first, *flood]:
+        # One of the ten queues behind the holder; the nine others are refused at once.
+        deadline = time.monotonic() + 60
+        while len(results) < 9:
+            assert time.monotonic() < deadline, [r.status_code for r in results]
+            time.sleep(0.05)
+        wait_metric(url, "pdserve_frontend_queued_requests 1.0")
+        holder.release()  # hanging up frees the slot for the queued one
+        for t in flood:
             t.join(120)
+        assert holder.status == 200
         codes = sorted(r.status_code for r in results)
-        assert codes == [200, 200] + [429] * 9, codes
+        assert codes == [200] + [429] * 9, codes
         for r in results:
             if r.status_code == 429:
                 err = r.json()["error"]
                 assert err["code"] == "server_overloaded" and int(r.headers["retry-after"]) > 0
             else:
-                assert r.json()["usage"]["completion_tokens"] in (16, HOLD)
+                assert r.json()["usage"]["completion_tokens"] == 16
         m = httpx.get(f"{url}/metrics").text
         assert 'pdserve_frontend_rejected_requests_total{reason="overloaded"} 9.0' in m
         assert "pdserve_frontend_queued_requests 0.0" in m
 
         # A refused request is answered before its body is read: it costs no buffer.
-        hold = threading.Thread(target=one, args=(HOLD,))
-        hold.start()
-        deadline = time.monotonic() + 30
-        while "pdserve_frontend_inflight_requests 1.0" not in httpx.get(f"{url}/metrics").text:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        holder = Holder(url, body)
+        assert holder.first.wait(60)
+        wait_metric(url, "pdserve_frontend_inflight_requests 1.0")
         queued = threading.Thread(target=one)
         queued.start()
-        while "pdserve_frontend_queued_requests 1.0" not in httpx.get(f"{url}/metrics").text:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_metric(url, "pdserve_frontend_queued_requests 1.0")
         with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
             s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                       b"Content-Length: 4000000\r\n\r\n{")  # 4 MB announced, 1 byte sent
             reply = s.recv(65536)
         assert reply.startswith(b"HTTP/1.1 429"), reply[:200]
-        for t in (hold, queued):
-            t.join(120)
+        holder.release()
+        queued.join(120)
+        wait_metric(url, "pdserve_frontend_inflight_requests 0.0")
 
         # SIGTERM with a stream in flight: new connections are refused, the stream finishes,
         # the process exits within its graceful timeout.

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from serve.common import sse
 from tests.conftest import MODEL
 
-FUZZ = settings(max_examples=120, deadline=None, derandomize=True,
+FUZZ = settings(max_examples=80, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 SMOKE = settings(max_examples=20, deadline=None, derandomize=True,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
@@ -108,7 +108,7 @@ def test_fuzz_completions(sim_frontend, body):
     check(post(sim_frontend, "/v1/completions", encode(body)))
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(raw=st.binary(max_size=200) | junk.map(lambda v: json.dumps(v, allow_nan=True).encode()),
        path=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/v1/route/explain"]))
