@@ -67,13 +67,14 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     which = "--tokenizer" if tokenizer else "-m/--model"
     hint = "Pass --tokenizer with a local Hugging Face directory of the served model's tokenizer"
-    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
+
+    from serve.common.hf_tokenizer import from_pretrained
 
     hf_logging.set_verbosity_error()
     logging.getLogger("huggingface_hub").setLevel(logging.ERROR)
     try:
-        return AutoTokenizer.from_pretrained(source, local_files_only=True)
+        return from_pretrained(source, local_files_only=True)
     except Exception as e:  # not local, not in the hub cache (or broken): maybe the hub
         local_error = e
     if Path(source).is_dir() or not hub_reachable():
@@ -81,7 +82,7 @@ def load_tokenizer(model: str, tokenizer: str | None = None) -> Any:
         where = "" if Path(source).is_dir() else " (not in the local Hugging Face cache, and the hub is not reachable)"
         raise TokenizerError(f"cannot load the tokenizer {source!r} (from {which}){where}: {first}. {hint}")
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return from_pretrained(source)
     except Exception as e:  # transformers raises OSError, ValueError, HTTP errors...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise TokenizerError(f"cannot load the tokenizer {source!r} (from {which}): {first}. {hint}") from e

@@ -51,9 +51,9 @@ class _Counter:
     def __init__(self, tokenizer: str | None) -> None:
         self.tok = None
         if tokenizer:
-            from transformers import AutoTokenizer
+            from serve.common.hf_tokenizer import from_pretrained
 
-            self.tok = AutoTokenizer.from_pretrained(tokenizer)
+            self.tok = from_pretrained(tokenizer)
 
     def chat(self, messages: list[dict]) -> int:
         if self.tok is None:

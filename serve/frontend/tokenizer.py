@@ -51,9 +51,9 @@ def _version(model: str) -> int:
 def _load(model: str, version: int) -> Any:
     """One tokenizer per model in a process: frontends sharing a process (a simulated
     cluster, tests) share it, as one frontend's requests already do."""
-    from transformers import AutoTokenizer
+    from serve.common.hf_tokenizer import from_pretrained
 
-    return AutoTokenizer.from_pretrained(model)
+    return from_pretrained(model)
 
 
 class IncrementalDetokenizer:
