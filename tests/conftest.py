@@ -7,8 +7,10 @@ session and every test that needs them shares them.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -16,19 +18,31 @@ import pytest
 from tests.helpers.procs import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, ROOT, Proc, free_port  # noqa: F401
 
 
-# The suite runs under pytest-xdist (`-n auto --dist loadgroup`, pyproject.toml). Tests that
-# start real engines form one group, run one after another by a single xdist worker: two
-# vLLM engines at once would not fit 2 cores, and that worker starts each session-scoped
-# engine once. Every other module is a group of its own, so a module-scoped server starts
-# once, on one worker; the modules spread over the workers.
-ENGINE_GROUP = "engine"
+# The suite runs under pytest-xdist (`-n auto`, pyproject.toml) with the scheduler below:
+# every test in a module that starts real engines (one with an `engine` mark) is one work
+# unit, run one after another by a single xdist worker: two vLLM engines at once would not
+# fit 2 cores, and that worker starts each session- and module-scoped engine once. Every
+# other module is a unit of its own, so a module-scoped server starts once, on one worker.
+# (xdist's own `--dist loadgroup` did not keep a group on one worker here: 3.8 split it.)
+ENGINE_UNIT = "engine"
+TESTS = Path(__file__).resolve().parent
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        engine = item.get_closest_marker("engine") is not None
-        item.add_marker(pytest.mark.xdist_group(ENGINE_GROUP if engine else item.nodeid.split("::")[0]))
+@functools.lru_cache(maxsize=None)
+def _engine_module(module: str) -> bool:
+    path = TESTS.parent / module
+    return path.is_file() and "mark.engine" in path.read_text()
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    from xdist.scheduler import LoadScopeScheduling
+
+    class EngineUnitScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return ENGINE_UNIT if _engine_module(module) else module
+
+    return EngineUnitScheduling(config, log)
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
