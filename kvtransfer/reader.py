@@ -26,9 +26,8 @@ from kvtransfer.layout import merge_descriptors
 from kvtransfer.metrics import KvStats
 from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.protocol import (
-    PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Release, TransferParams, check_compatible, engine_auth,
+    PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, LoadSpec, Release, TransferParams, check_compatible, engine_auth,
 )
-from kvtransfer.protocol import LoadSpec
 from kvtransfer.side_channel import SideChannelClient, unpin_thread
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
