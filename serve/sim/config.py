@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int)
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--kv-cache-dtype")
+    # Accepted so a launch command `pdserve plan` writes runs as is; recorded in the engine
+    # config, it changes neither the block pool nor (with the default step model) step times.
+    p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int)
     p.add_argument("--sim-step-model", default="constant")
     p.add_argument("--sim-kv-bandwidth-gbps", type=float, default=0.0)
     p.add_argument("--sim-eos-rate", type=float, default=None)
@@ -80,14 +83,15 @@ def parse_sim_options(passthrough: list[str], model: str | None, kv_cache_gib: f
     if unknown:
         raise ConfigError(f"--engine sim does not model engine option {unknown[0]} (it takes --max-num-seqs, "
                           "--max-model-len, --block-size, --num-gpu-blocks, --[no-]enable-prefix-caching, "
-                          "--max-num-batched-tokens, --[no-]enable-chunked-prefill, --kv-cache-dtype, --sim-*)")
+                          "--max-num-batched-tokens, --[no-]enable-chunked-prefill, --kv-cache-dtype, "
+                          "--tensor-parallel-size, --sim-*)")
     shape = ModelShape.from_model_dir(model)
     cfg = SimConfig()
     mml = ns.max_model_len or shape.max_model_len
     chunked = True if ns.enable_chunked_prefill is None else ns.enable_chunked_prefill
     batched = ns.max_num_batched_tokens or (2048 if chunked else max(mml, 2048))
     cfg = replace(cfg, max_model_len=mml, enable_chunked_prefill=chunked, max_num_batched_tokens=batched)
-    for name in ("max_num_seqs", "block_size", "kv_cache_dtype"):
+    for name in ("max_num_seqs", "block_size", "kv_cache_dtype", "tensor_parallel_size"):
         if getattr(ns, name) is not None:
             cfg = replace(cfg, **{name: getattr(ns, name)})
     if ns.enable_prefix_caching is not None:
@@ -98,8 +102,10 @@ def parse_sim_options(passthrough: list[str], model: str | None, kv_cache_gib: f
         cfg = replace(cfg, eos_rate=ns.sim_eos_rate)
     if cfg.kv_cache_dtype not in KV_DTYPE_BYTES:
         raise ConfigError(f"--kv-cache-dtype {cfg.kv_cache_dtype}: one of {', '.join(KV_DTYPE_BYTES)}")
-    if min(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens) < 1:
-        raise ConfigError("--max-num-seqs, --max-model-len, --block-size and --max-num-batched-tokens must be >= 1")
+    if min(cfg.max_num_seqs, cfg.max_model_len, cfg.block_size, cfg.max_num_batched_tokens,
+           cfg.tensor_parallel_size) < 1:
+        raise ConfigError("--max-num-seqs, --max-model-len, --block-size, --max-num-batched-tokens and "
+                          "--tensor-parallel-size must be >= 1")
     if not chunked and batched < mml:
         raise ConfigError(f"--max-num-batched-tokens {batched} < --max-model-len {mml} without chunked prefill")
     per_block = shape.bytes_per_block_layer(cfg.block_size, cfg.kv_cache_dtype) * shape.num_layers

@@ -40,6 +40,7 @@ class SimConfig:
     max_num_batched_tokens: int = 2048
     enable_chunked_prefill: bool = True
     kv_cache_dtype: str = "auto"
+    tensor_parallel_size: int = 1
     eos_rate: float = 1 / 64
 
 

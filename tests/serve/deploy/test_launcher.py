@@ -23,8 +23,10 @@ def descendants(pid: int) -> set[int]:
     return set(procs.descendants(pid))
 
 
-# disagg only: `pdserve up` in agg mode (what `make run` does) is started and served by
-# tests/bench/plan/test_cpu_local_launch.py, and disagg exercises every code path of agg's.
+# disagg only: it exercises every code path of agg mode's (what `make run` does) on real
+# engines; `pdserve up` in agg mode is started and served with simulated workers by
+# tests/serve/deploy/test_launcher_sim.py and tests/bench/plan/test_cpu_local_launch.py, and
+# the real aggregated worker is the session's `agg_worker` (tests/conftest.py).
 @pytest.mark.parametrize("mode", ["disagg"])
 def test_up_serves_then_sigterm_leaves_no_process(model_dir, mode):
     port, wport = free_port(), free_port()

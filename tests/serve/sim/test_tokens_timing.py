@@ -72,6 +72,11 @@ def test_engine_options_accepted_and_refused():
                                                                             "fp8")
     with pytest.raises(ConfigError, match="does not model engine option --enforce-eager"):
         parse_sim_options(["--enforce-eager"], None, 1.0)
+    # What `pdserve plan`'s launch command passes: recorded, the block pool unchanged.
+    tp2 = parse_sim_options(["--tensor-parallel-size", "2"], None, 1.0).engine
+    assert tp2.tensor_parallel_size == 2 and tp2.num_blocks == parse_sim_options([], None, 1.0).engine.num_blocks
+    with pytest.raises(ConfigError, match="tensor-parallel-size must be >= 1"):
+        parse_sim_options(["--tensor-parallel-size", "0"], None, 1.0)
     with pytest.raises(ConfigError, match="max-num-batched-tokens"):
         parse_sim_options(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "512"], None, 1.0)
     # --kv-cache-gib sizes the cache from the model's shape when --num-gpu-blocks is not given.
