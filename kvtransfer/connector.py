@@ -11,14 +11,12 @@ Settings come from `kv_connector_extra_config`, read once into a typed
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtransfer import transport
-from kvtransfer.errors import SettingsError
 from kvtransfer.protocol import ConnectorSettings
 from kvtransfer.scheduler import PdConnectorMetadata, PdScheduler
 from kvtransfer.stats import PdKVStats
@@ -33,17 +31,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-def _side_channel(settings: ConnectorSettings) -> tuple[str, str]:
-    """(bind, advertise) endpoints of this engine's side channel."""
-    host = settings.side_channel_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
-    port = settings.side_channel_port
-    if not port:
-        raise SettingsError("kv_connector_extra_config.side_channel_port is required (the scheduler "
-                            "advertises it before the worker binds)")
-    bind_host = "0.0.0.0" if settings.side_channel_bind_all else host
-    return f"tcp://{bind_host}:{port}", f"tcp://{host}:{port}"
-
-
 class PdConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -51,7 +38,7 @@ class PdConnector(KVConnectorBase_V1):
         settings = ConnectorSettings.from_extra_config(ktc.kv_connector_extra_config)
         self.settings = settings
         self.engine_id = str(settings.engine_id or ktc.engine_id or default_engine_id())
-        bind, advertise = _side_channel(settings)
+        bind, advertise = settings.side_channel_endpoints()
         block_size = vllm_config.cache_config.block_size
         self._scheduler: PdScheduler | None = None
         self._worker: PdWorker | None = None

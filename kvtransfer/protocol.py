@@ -192,6 +192,15 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     # vLLM logs) carries the same keys as before these settings were typed.
     _ONLY_IF_SET = ("side_channel_bind_all", "read_timeout_s", "handshake_timeout_s", "fault_pause_s")
 
+    def side_channel_endpoints(self) -> tuple[str, str]:
+        """(bind, advertise) endpoints of this engine's side channel."""
+        host = self.side_channel_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+        if not self.side_channel_port:
+            raise SettingsError("kv_connector_extra_config.side_channel_port is required (the scheduler "
+                                "advertises it before the worker binds)")
+        bind_host = "0.0.0.0" if self.side_channel_bind_all else host
+        return f"tcp://{bind_host}:{self.side_channel_port}", f"tcp://{host}:{self.side_channel_port}"
+
     def to_extra_config(self) -> dict[str, Any]:
         """The `kv_connector_extra_config` dict (the one conversion to it)."""
         defaults = ConnectorSettings()

@@ -83,7 +83,8 @@ def test_worker_kv_transfer_config_is_unchanged():
 
 
 def test_side_channel_endpoints(monkeypatch):
-    from kvtransfer.connector import _side_channel
+    def _side_channel(settings: ConnectorSettings) -> tuple[str, str]:
+        return settings.side_channel_endpoints()
 
     monkeypatch.setenv("VLLM_HOST_IP", "10.1.1.1")
     assert _side_channel(ConnectorSettings(side_channel_port=7)) == ("tcp://10.1.1.1:7", "tcp://10.1.1.1:7")
