@@ -80,6 +80,10 @@ def run(s: WorkerSettings, passthrough: list[str]) -> int:
     flags.warn_open("worker", s.host, s.cluster_token, "generate and register")
     passthrough = [*passthrough, *kv_transfer_flags(s, passthrough), *kv_events_flags(s, passthrough)]
     engine_args = parse_engine_args(s.model, passthrough, s.served_model_name)
+    from serve.engine import cpu_avx512_or_amx, is_cpu_platform, slow_cpu_hint
+
+    if hint := slow_cpu_hint(engine_args.dtype, is_cpu_platform(), cpu_avx512_or_amx):
+        log.warning("pdserve worker: %s", hint)
     from serve.worker.app import Worker, build_app
     from serve.worker.vllm_backend import VllmBackend
 

@@ -56,3 +56,38 @@ def test_sockets_of_dead_workers_are_swept(tmp_path):
         (tmp_path / n).write_text("")
     _sweep_dead_sockets(str(tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[1:])
+
+
+
+def test_fp8_kv_on_a_cpu_without_avx512_or_amx_is_refused_before_the_engine_starts():
+    """vLLM's CPU attention stores fp8 KV only with AVX-512 or AMX; without them vLLM fails
+    after loading the weights, so the worker says so first, in one line
+    (`parse_engine_args` calls this with vLLM's platform and the CPU's flags)."""
+    import pytest
+
+    from serve.engine import check_kv_cache_dtype
+    from serve.errors import ConfigError
+
+    def never():
+        raise AssertionError("asked about the CPU when it does not matter")
+
+    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        with pytest.raises(ConfigError, match=f"--kv-cache-dtype {dtype}: .*AVX-512 or AMX.*--kv-cache-dtype auto"):
+            check_kv_cache_dtype(dtype, True, lambda: False)
+        check_kv_cache_dtype(dtype, True, lambda: True)
+        check_kv_cache_dtype(dtype, False, never)  # a GPU's fp8 is vLLM's to judge
+    for dtype in ("auto", "bfloat16"):
+        check_kv_cache_dtype(dtype, True, never)
+
+
+def test_a_16_bit_model_on_a_cpu_without_avx512_or_amx_gets_a_dtype_hint():
+    from serve.engine import slow_cpu_hint
+
+    def never():
+        raise AssertionError("asked about the CPU when it does not matter")
+
+    for dtype in ("auto", "bfloat16", "float16"):
+        assert "--dtype float32" in slow_cpu_hint(dtype, True, lambda: False)
+        assert slow_cpu_hint(dtype, True, lambda: True) is None
+        assert slow_cpu_hint(dtype, False, never) is None
+    assert slow_cpu_hint("float32", True, never) is None
