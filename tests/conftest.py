@@ -92,6 +92,18 @@ def frontend(agg_worker: str, model_dir: str) -> Iterator[str]:
         proc.stop()
 
 
+@pytest.fixture(scope="session")
+def real_disagg(model_dir: str, tmp_path_factory):
+    """One real disaggregated cluster (frontend + prefill engine + decode engine), started
+    once: tests/helpers/realcluster.py. tests/serve/test_faults.py, its last user, breaks it."""
+    from tests.helpers.realcluster import start_real_cluster
+
+    c = start_real_cluster(model_dir, tmp_path_factory.mktemp("real-disagg"))
+    try:
+        yield c
+    finally:
+        c.stop()
+
 
 @pytest.fixture(scope="session")
 def sim_agg(model_dir: str):

@@ -2,7 +2,9 @@
 
 Greedy answers equal aggregated mode's, the prefill worker really serves the prompts (its
 request counter) with no fallback, KV-aware routing sends shared prefixes back to the
-worker that has them. (Losing a prefill worker, and other faults: tests/test_faults.py.)
+worker that has them. It runs on the session's real cluster (tests/helpers/realcluster.py), which
+tests/serve/test_faults.py then breaks on purpose. (Losing a prefill worker, and other
+faults: test_faults.py.)
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import httpx
 import pytest
 
 from serve.common import sse
-from tests.conftest import MODEL, Proc, free_port
+from tests.helpers.procs import MODEL
 from tests.helpers.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
@@ -23,60 +25,10 @@ PROMPTS = [
 ]
 
 
-def start_worker(role: str, core: int, model_dir: str, frontend: str | None = None, port: int | None = None,
-                 extra: list[str] | None = None, wait: bool = True) -> tuple[Proc, str]:
-    """Start a worker; with wait=False the caller waits (`proc.wait_http`), so several
-    engines can load at once."""
-    port = port or free_port()
-    args = ["worker", "--role", role, "--port", str(port), "--model", model_dir, "--served-model-name", MODEL,
-            "--cpu-cores", str(core), "--kv-cache-gib", "1", "--max-num-seqs", "8", "--max-model-len", "4096",
-            "--lease-seconds", "2", *(extra or [])]
-    if frontend:
-        args += ["--frontend", frontend]
-    proc = Proc(f"disagg-{role}", args)
-    url = f"http://127.0.0.1:{port}"
-    if wait:
-        proc.wait_http(f"{url}/health", 420)
-    return proc, url
-
-
-def start_frontend(model_dir: str, extra: list[str]) -> tuple[Proc, str]:
-    port = free_port()
-    proc = Proc("disagg-frontend", ["frontend", "--port", str(port), "--model", model_dir,
-                                    "--served-model-name", MODEL, *extra])
-    url = f"http://127.0.0.1:{port}"
-    wait_for(lambda: _models_ok(url), 60, "frontend up")
-    return proc, url
-
-
-def _models_ok(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def roles_in_rotation(url: str) -> list[str]:
-    return sorted(w["role"] for w in httpx.get(f"{url}/internal/workers").json()["workers"] if w["in_rotation"])
-
-
 @pytest.fixture(scope="module")
-def disagg(model_dir):
-    procs = []
-    try:
-        fe, furl = start_frontend(model_dir, ["--prefill-timeout", "30"])
-        procs.append(fe)
-        p, purl = start_worker("prefill", 0, model_dir, furl, wait=False)
-        procs.append(p)
-        d, durl = start_worker("decode", 1, model_dir, furl, wait=False)
-        procs.append(d)
-        for proc, url in ((p, purl), (d, durl)):
-            proc.wait_http(f"{url}/health", 420)
-        wait_for(lambda: roles_in_rotation(furl) == ["decode", "prefill"], 30, "both workers registered")
-        yield {"frontend": furl, "prefill": purl, "decode": durl, "procs": procs, "model_dir": model_dir}
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
+def disagg(real_disagg):
+    """The session's real cluster (tests/helpers/realcluster.py), before test_faults breaks it."""
+    return real_disagg
 
 
 def chat(url: str, messages, stream: bool = False, **kw) -> tuple[str, dict]:
@@ -100,19 +52,22 @@ def chat(url: str, messages, stream: bool = False, **kw) -> tuple[str, dict]:
 
 
 def test_disagg_answers_equal_agg_and_prefill_worker_serves(disagg, frontend):
-    furl = disagg["frontend"]
-    p0 = metrics(disagg["prefill"])
-    d0 = metrics(disagg["decode"])
+    furl = disagg.frontend
+    p0, d0, f0 = metrics(disagg.urls["prefill"]), metrics(disagg.urls["decode1"]), metrics(furl)
     for messages in PROMPTS:
         agg_text, _ = chat(frontend, messages)
         for stream in (False, True):
             text, usage = chat(furl, messages, stream=stream)
             assert text == agg_text, (messages, stream)
             assert usage["completion_tokens"] > 0
-    p1, d1 = metrics(disagg["prefill"]), metrics(disagg["decode"])
-    fm = metrics(furl)
-    assert sum(v for (n, _), v in fm.items() if n == "pdserve_frontend_prefill_fallbacks_total") == 0
-    assert metric(fm, "pdserve_frontend_request_paths_total", path="disagg") >= 6
+    p1, d1, f1 = metrics(disagg.urls["prefill"]), metrics(disagg.urls["decode1"]), metrics(furl)
+
+    def fallbacks(m) -> float:
+        return sum(v for (n, _), v in m.items() if n == "pdserve_frontend_prefill_fallbacks_total")
+
+    assert fallbacks(f1) == fallbacks(f0)
+    assert (metric(f1, "pdserve_frontend_request_paths_total", path="disagg")
+            - metric(f0, "pdserve_frontend_request_paths_total", path="disagg")) == 6
     served = (metric(p1, "pdserve_worker_requests_total", role="prefill", outcome="ok")
               - metric(p0, "pdserve_worker_requests_total", role="prefill", outcome="ok"))
     assert served == 6
@@ -122,7 +77,7 @@ def test_disagg_answers_equal_agg_and_prefill_worker_serves(disagg, frontend):
     r = httpx.post(f"{furl}/v1/chat/completions", headers={"x-request-id": rid}, timeout=60,
                    json={"model": MODEL, "messages": PROMPTS[0], "max_tokens": 4})
     assert r.headers["x-request-id"] == rid
-    p_proc, d_proc = disagg["procs"][1], disagg["procs"][2]
+    p_proc, d_proc = disagg.procs["prefill"], disagg.procs["decode1"]
     wait_for(lambda: f"request {rid}" in p_proc.log_path.read_text() and f"request {rid}" in d_proc.log_path.read_text(),
              10, "request id in both workers' logs")
 
@@ -132,7 +87,7 @@ def test_real_kv_events_reach_the_routers_index(disagg):
     ran on the prefill worker, the dry run sees its blocks cached there, and the follow-up
     reports them as cached tokens. (Routing itself is tested on simulated workers in
     tests/serve/frontend/test_routing_sim.py.)"""
-    furl = disagg["frontend"]
+    furl = disagg.frontend
     prefix = "Document. " + " ".join(f"Fact {j}: value {(j * 7) % 101}." for j in range(90))
     first = [{"role": "system", "content": prefix}, {"role": "user", "content": "Summarize fact 3."}]
     chat(furl, first, max_tokens=4)
@@ -143,6 +98,6 @@ def test_real_kv_events_reach_the_routers_index(disagg):
         return ex if ex["prefill"]["workers"][0]["overlap_blocks"] > 0 else None
 
     ex = wait_for(indexed, 15, "the prefill worker's KV events in the router's index")
-    assert ex["prefill"]["chosen"] == disagg["prefill"] and ex["prefill"]["cached_ratio"] > 0
+    assert ex["prefill"]["chosen"] == disagg.urls["prefill"] and ex["prefill"]["cached_ratio"] > 0
     _, usage = chat(furl, follow, max_tokens=4)
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 128  # whole CPU blocks of 128 tokens

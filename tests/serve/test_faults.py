@@ -1,5 +1,6 @@
-"""Faults in disaggregated serving, with real processes: 1 prefill + 1 decode worker, and a
-second decode worker for the test that kills one.
+"""Faults in disaggregated serving, with real processes: the session's real cluster (1 prefill
++ 1 decode worker, tests/helpers/realcluster.py), and a second decode worker for the test
+that kills one.
 
 - a prefill worker SIGKILLed during prefill, and during a transfer (held by the test-only
   pause hook): the request completes by fallback with the right answer; the worker leaves
@@ -20,21 +21,18 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
 from serve.common import procs, sse
-from tests.conftest import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, Proc, free_port
+from tests.helpers.procs import LOG_DIR, MODEL
+from tests.helpers.realcluster import LEASE_S
+from tests.helpers.realcluster import RealCluster as Cluster
 from tests.helpers.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
 
-# The prefill side's KV lease. The transfer-fault tests hold a decode worker before its READ
-# for up to a lease, and must see the hold within that window: polling /metrics of a busy
-# 2-core machine can take a second a call, so the window is several seconds wide.
-LEASE_S = 6.0
 CLIENTS = 16  # concurrent clients in the disconnect test
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 # ~2500 prompt tokens: a prefill long enough (about a second here) to kill the worker inside it.
@@ -51,75 +49,12 @@ def record(fault: str, **values: float) -> None:
     path.write_text(json.dumps(data, indent=2))
 
 
-class Cluster:
-    def __init__(self, model_dir: str, tmp: Path) -> None:
-        self.model_dir = model_dir
-        self.tmp = tmp
-        self.procs: dict[str, Proc] = {}
-        self.urls: dict[str, str] = {}
-        port = free_port()
-        self.frontend = f"http://127.0.0.1:{port}"
-        self.procs["frontend"] = Proc("faults-frontend", [
-            "frontend", "--port", str(port), "--model", model_dir, "--served-model-name", MODEL,
-            "--prefill-timeout", "30", "--request-timeout", "120"])
-
-    def pause_file(self, name: str) -> Path:
-        return self.tmp / f"pause-{name}"
-
-    def start(self, name: str, role: str, core: int, port: int | None = None) -> None:
-        port = port or free_port()
-        self.urls[name] = f"http://127.0.0.1:{port}"
-        self.procs[name] = Proc(f"faults-{name}", [
-            "worker", "--role", role, "--port", str(port), "--model", self.model_dir, "--served-model-name", MODEL,
-            "--cpu-cores", str(core), "--kv-cache-gib", "1", "--max-num-seqs", "8", "--max-model-len", "4096",
-            "--lease-seconds", "2", "--kv-lease-seconds", str(LEASE_S), "--frontend", self.frontend],
-            env={"PDSERVE_KV_FAULT_PAUSE_FILE": str(self.pause_file(name))})
-
-    def wait_ready(self, *names: str) -> None:
-        for n in names:
-            self.procs[n].wait_http(f"{self.urls[n]}/health", ENGINE_READY_TIMEOUT_S)
-        wait_for(lambda: set(self.in_rotation()) >= {self.urls[n] for n in names}, 30, f"{names} in rotation")
-
-    def in_rotation(self) -> list[str]:
-        return [w["url"] for w in httpx.get(f"{self.frontend}/internal/workers").json()["workers"] if w["in_rotation"]]
-
-    def decoders(self) -> list[str]:
-        """The decode workers still running."""
-        return [n for n in ("decode1", "decode2") if n in self.procs and self.procs[n].popen.poll() is None]
-
-    def kill(self, name: str) -> None:
-        self.procs[name].stop(sig=signal.SIGKILL)
-
-    def free_blocks(self) -> dict[str, tuple[int, int]]:
-        """worker -> (active KV blocks, blocks held for remote decodes)."""
-        out = {}
-        for n, url in self.urls.items():
-            if self.procs[n].popen.poll() is None:
-                load = httpx.get(f"{url}/load", timeout=10).json()
-                out[n] = (load["active_blocks"], metric(metrics(url), "pdserve_kv_held_blocks"))
-        return out
-
-
 @pytest.fixture(scope="module")
-def cluster(model_dir, tmp_path_factory):
-    c = Cluster(model_dir, tmp_path_factory.mktemp("faults"))
-    try:
-        wait_for(lambda: _up(c.frontend), 60, "frontend up")
-        # Two engines, one core each; the second decode worker joins for the test that kills one.
-        c.start("prefill", "prefill", 0)
-        c.start("decode1", "decode", 1)
-        c.wait_ready("prefill", "decode1")
-        yield c
-    finally:
-        for p in reversed(list(c.procs.values())):
-            p.stop()
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+def cluster(real_disagg):
+    """The session's real cluster (tests/helpers/realcluster.py). This module is its last
+    user: it kills, restarts and adds workers, and stops them all when it is done."""
+    yield real_disagg
+    real_disagg.stop()
 
 
 def chat(c: Cluster, messages, max_tokens: int = 24) -> str:
