@@ -55,7 +55,12 @@ class Generation:
         self._decode_delta = p.decoder(p.TokenDelta)
 
     async def run(self, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
-                  stop: list[str] | None, deadline: float) -> AsyncIterator[TextEvent]:
+                  stop: list[str] | None, deadline: float,
+                  received: float | None = None) -> AsyncIterator[TextEvent]:
+        """The request's text events; the first one comes with its first token (its text may
+        be empty while the detokenizer waits for more). `received`: when the frontend got the
+        request (monotonic; default now), where its TTFT starts, whatever the path."""
+        received = time.monotonic() if received is None else received
         plan = self.routing.plan(prompt_ids)
         kv_transfer = None
         prefill_cached: int | None = None
@@ -76,7 +81,8 @@ class Generation:
             started = False
             try:
                 with self.routing.load.reserve(worker.url, "decode", plan.prompt_blocks):
-                    async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids)):
+                    async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids),
+                                                    received):
                         started = True
                         if event.finish_reason is not None and prefill_cached is not None:
                             # The decode engine counts transferred tokens as cached; the client's
@@ -156,12 +162,13 @@ class Generation:
             return "error"
 
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,
-                      deadline: float, n_prompt: int) -> AsyncIterator[TextEvent]:
+                      deadline: float, n_prompt: int, received: float) -> AsyncIterator[TextEvent]:
+        """One worker's stream. A retry on another worker happens only before any token
+        (`run`), so TTFT is observed once per request."""
         finished = False
         completion = 0
         cached = 0
-        t0 = time.monotonic()
-        last = t0
+        last = received
         first_token_at: float | None = None
         timeout = httpx.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s, write=10.0, pool=10.0)
         try:
@@ -193,10 +200,12 @@ class Generation:
                     if delta.num_cached_tokens is not None:
                         cached = delta.num_cached_tokens
                     now = time.monotonic()
+                    first = False
                     if delta.token_ids:
                         if first_token_at is None:
                             first_token_at = now
-                            self.metrics.ttft.observe(now - t0)
+                            first = True
+                            self.metrics.ttft.observe(now - received)
                         else:
                             gap = (now - last) / len(delta.token_ids)
                             for _ in delta.token_ids:
@@ -213,7 +222,7 @@ class Generation:
                         text += detok.finish()
                         yield TextEvent(text, delta.finish_reason or "stop", n_prompt, completion, cached)
                         return
-                    if text:
+                    if text or first:
                         yield TextEvent(text)
         finally:
             if not finished:

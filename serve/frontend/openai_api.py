@@ -114,6 +114,7 @@ class OpenAIApi:
 
     # -- the request path ---------------------------------------------------------------
     async def _handle(self, request: Request, kind: str) -> Response:
+        received = time.monotonic()  # headers in: TTFT and duration count from here, in every path
         fe = self.fe
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
         try:  # before the body is read: a flood is refused at the door
@@ -126,18 +127,19 @@ class OpenAIApi:
                                            headers={"retry-after": str(fe.settings.retry_after_s)}))
         handed_over = False
         try:
-            response = await self._admitted(request, kind, endpoint, ticket)
+            response = await self._admitted(request, kind, endpoint, ticket, received)
             handed_over = isinstance(response, DisconnectAwareStreamingResponse)
             return response
         finally:
             if not handed_over:
                 ticket.release()
 
-    async def _admitted(self, request: Request, kind: str, endpoint: str, ticket: Ticket) -> Response:
+    async def _admitted(self, request: Request, kind: str, endpoint: str, ticket: Ticket,
+                        received: float) -> Response:
         fe = self.fe
         s = fe.settings
         stream = False
-        deadline = time.monotonic() + s.request_timeout_s
+        deadline = received + s.request_timeout_s
         try:
             body = await read_json(request, s.max_body_bytes)
             req = oai.parse(oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest, body)
@@ -164,14 +166,14 @@ class OpenAIApi:
             self._count(endpoint, stream, 503)
             return error_response(unavailable(exc, s.retry_after_s))
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        events = fe.generation.run(request_id, prompt_ids, sampling, req.stop, deadline)
+        events = fe.generation.run(request_id, prompt_ids, sampling, req.stop, deadline, received)
         headers = {"x-request-id": request_id}
         if stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body_iter = self._sse(kind, request_id, events, include_usage, endpoint)
+            body_iter = self._sse(kind, request_id, events, include_usage, endpoint, received)
             return DisconnectAwareStreamingResponse(body_iter, media_type="text/event-stream",
                                                     headers={**SSE_HEADERS, **headers}, on_close=ticket.release)
-        result = await cancel_on_disconnect(request, self._collect(kind, request_id, events, endpoint))
+        result = await cancel_on_disconnect(request, self._collect(kind, request_id, events, endpoint, received))
         if result is None:  # the client went away; the generation was cancelled and aborted
             self._count(endpoint, False, 499)
             return Response(status_code=499)
@@ -202,9 +204,8 @@ class OpenAIApi:
             m.cached.inc(last.cached_tokens)
 
     async def _collect(self, kind: str, request_id: str, events: AsyncIterator[TextEvent],
-                       endpoint: str) -> Any:
+                       endpoint: str, t0: float) -> Any:
         fe = self.fe
-        t0 = time.monotonic()
         fe.metrics.inflight.inc()
         fe.active += 1
         parts: list[str] = []
@@ -232,18 +233,19 @@ class OpenAIApi:
                             usage)
 
     async def _sse(self, kind: str, request_id: str, events: AsyncIterator[TextEvent], include_usage: bool,
-                   endpoint: str) -> AsyncIterator[bytes]:
+                   endpoint: str, t0: float) -> AsyncIterator[bytes]:
+        """The SSE body. As vLLM's server does, nothing is sent before the first token: a
+        chat's role chunk goes out with it, so a client's TTFT is the first chunk's arrival."""
         fe = self.fe
-        t0 = time.monotonic()
         out = r.ChunkWriter(kind, request_id, fe.settings.served_model_name, include_usage)
         fe.metrics.inflight.inc()
         fe.active += 1
         last: TextEvent | None = None
         status = 200
         try:
-            if kind == "chat":
-                yield out.role()
             async for ev in events:
+                if last is None and kind == "chat":
+                    yield out.role()
                 last = ev
                 if ev.text or ev.finish_reason:
                     yield out.text(ev.text, ev.finish_reason)
