@@ -105,7 +105,10 @@ class SimCluster:
         sock = listen.bind(HOST, 0)
         port = sock.getsockname()[1]
         flags = overrides.pop("engine_flags", self.engine_flags)
-        s = WorkerSettings(role=role, host=HOST, port=port, frontends=[self.fe.url], lease_seconds=2.0,
+        # A 10 s registration lease: every worker and the frontend share this one event loop,
+        # and a burst of requests on a busy machine once delayed renewals past a 2 s lease (the
+        # only worker left rotation: 503s). A killed worker still leaves at once (failed polls).
+        s = WorkerSettings(role=role, host=HOST, port=port, frontends=[self.fe.url], lease_seconds=10.0,
                            model=self.model, served_model_name=self.name, kv_transfer=role != "agg",
                            cluster_token=self.cluster_token, engine="sim", worker_id=f"sim-{role}-{port}",
                            **{**self.worker_overrides, **overrides})
