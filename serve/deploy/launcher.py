@@ -71,6 +71,9 @@ class UpSettings:
         u.add_argument("--engine", choices=["vllm", "sim"], default="vllm",
                        help="vllm: real engines, one process each; sim: simulated workers (serve.sim), one process "
                             "per role with all of that role's workers (default: vllm)")
+        u.add_argument("--sim-step-model", default=None, metavar="MODEL",
+                       help="--engine sim: every simulated worker's step model, e.g. constant:0.02 (default: the "
+                            "simulated worker's)")
         u.add_argument("--mode", choices=["agg", "disagg"], default="agg",
                        help="agg: --workers aggregated workers; disagg: --prefill and --decode workers (default: agg)")
         u.add_argument("--workers", type=int, default=1, help="agg mode: number of aggregated workers (default: 1)")
@@ -116,6 +119,10 @@ class UpSettings:
                 if value < 1:
                     raise PdserveError(f"{flag} must be >= 1")
                 worker_args += [flag, str(value)]
+        if args.sim_step_model is not None:
+            if args.engine != "sim":
+                raise PdserveError("--sim-step-model needs --engine sim")
+            worker_args += ["--sim-step-model", args.sim_step_model]
         role_args: dict[str, list[str]] = {}
         for role, value in (("prefill", args.prefill_max_num_seqs), ("decode", args.decode_max_num_seqs)):
             if value is not None:

@@ -21,7 +21,8 @@ def test_up_with_simulated_workers_serves_disaggregated_then_stops_everything(mo
     log_path = LOG_DIR / f"up-sim-{time.time_ns()}.log"
     child = procs.Child("up-sim", [sys.executable, "-m", "serve.cli", "up", "--engine", "sim", "--mode", "disagg",
                                    "--prefill", "3", "--decode", "4", "--port", str(port), "--worker-base-port",
-                                   str(base), "--model", model_dir, "--served-model-name", MODEL], log_path, cwd=ROOT)
+                                   str(base), "--model", model_dir, "--served-model-name", MODEL,
+                                   "--sim-step-model", "constant:0.004"], log_path, cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
         while "pdserve is up" not in log_path.read_text():
@@ -36,6 +37,8 @@ def test_up_with_simulated_workers_serves_disaggregated_then_stops_everything(mo
         # One process per role, each with all of that role's workers.
         kids = procs.children(child.pid)
         assert len(kids) == 3, [procs.cmdline(k) for k in kids]  # prefill, decode, frontend
+        workers = [procs.cmdline(k) for k in kids if " worker " in procs.cmdline(k)]
+        assert len(workers) == 2 and all("--sim-step-model constant:0.004" in c for c in workers), workers
         everyone = procs.descendants(child.pid)
         child.send_signal(signal.SIGTERM)
         child.popen.wait(timeout=60)
@@ -44,6 +47,12 @@ def test_up_with_simulated_workers_serves_disaggregated_then_stops_everything(mo
         assert not left, left
     finally:
         child.stop()
+
+
+def test_sim_options_need_the_sim_engine():
+    r = subprocess.run([sys.executable, "-m", "serve.cli", "up", "--sim-step-model", "constant:1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "pdserve up: error: --sim-step-model needs --engine sim"
 
 
 def test_up_fails_at_once_when_its_port_is_taken(model_dir):
