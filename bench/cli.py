@@ -15,7 +15,7 @@ import sys
 from bench.errors import BenchError
 
 TOOLS = ("profile", "sweep", "compare", "fake-server", "loadgen-vs-aiperf", "calibrate", "compare-plan", "kv", "soak",
-         "engine-memory")
+         "engine-memory", "ttft-agreement")
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -70,6 +70,9 @@ def _add_tool_parsers(bsub: argparse._SubParsersAction) -> None:
     from bench.perf.engine_memory import add_parser as add_engine_memory_parser
 
     add_engine_memory_parser(bsub)
+    from bench.perf.ttft_agreement import add_parser as add_ttft_agreement_parser
+
+    add_ttft_agreement_parser(bsub)
     from bench.plan.cli import add_bench_parsers
 
     add_bench_parsers(bsub)
@@ -135,6 +138,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.perf.engine_memory import run as run_engine_memory
 
         return run_engine_memory(args)
+    if cmd == "ttft-agreement":
+        from bench.perf.ttft_agreement import run as run_ttft_agreement
+
+        return run_ttft_agreement(args)
     if args.e2e:
         from bench.perf.kv.e2e import run as run_e2e
 
