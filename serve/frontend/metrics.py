@@ -8,7 +8,6 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 
-
 def geometric(lo: float, hi: float, ratio: float = 1.09) -> tuple[float, ...]:
     """Bucket bounds from `lo` to at least `hi`, each at most `ratio` times the one before
     (4 significant digits): a quantile read from them is off by less than ratio - 1."""
