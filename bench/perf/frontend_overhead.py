@@ -28,6 +28,7 @@ import httpx
 from bench.perf.client import stream_chat
 from bench.perf.errors import PerfError
 from bench.perf.servers import Servers, free_port, pdserve, url_of
+from serve.cpu_attention import DEFAULT as CPU_ATTN_DEFAULT, ENV as CPU_ATTN_ENV
 
 MODEL_NAME = "smollm2-135m-instruct"
 PROMPTS = [
@@ -42,7 +43,9 @@ PROMPTS = [
 
 def cpu_env() -> dict[str, str]:
     return {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_NO_USAGE_STATS": "1"}
+            "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_NO_USAGE_STATS": "1",
+            # the same attention kernel as pdserve's workers (serve.cpu_attention), vLLM's server too
+            CPU_ATTN_ENV: os.environ.get(CPU_ATTN_ENV, CPU_ATTN_DEFAULT)}
 
 
 def start_vllm(model: str, servers: Servers) -> str:

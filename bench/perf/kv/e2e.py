@@ -25,6 +25,7 @@ import httpx
 from bench.perf.errors import PerfError
 from bench.perf.servers import Servers, free_port, pdserve, url_of
 from serve.common.sse import SseStream
+from serve.cpu_attention import DEFAULT as CPU_ATTN_DEFAULT, ENV as CPU_ATTN_ENV
 
 MODEL_NAME = "smollm2-135m-instruct"
 LENGTHS = [300, 520, 777, 1000, 1200, 1500, 1777, 1999, 2400, 3000]
@@ -43,7 +44,9 @@ def metric_sum(url: str, name: str) -> float:
 
 def env_for(core: int) -> dict[str, str]:
     return {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "2",
-            "VLLM_CPU_OMP_THREADS_BIND": str(core), "UCX_NET_DEVICES": "lo"}
+            "VLLM_CPU_OMP_THREADS_BIND": str(core), "UCX_NET_DEVICES": "lo",
+            # the same attention kernel as pdserve's workers (serve.cpu_attention), vLLM's server too
+            CPU_ATTN_ENV: os.environ.get(CPU_ATTN_ENV, CPU_ATTN_DEFAULT)}
 
 
 def pdserve_pair(model: str, kv: list[str], servers: Servers) -> tuple[str, str]:
