@@ -95,6 +95,11 @@ class KvMetrics:
         self.kv_held_requests = Counter("pdserve_kv_held_requests", "Requests whose blocks were held for a remote decode",
                                         registry=r)
         self.kv_released = Counter("pdserve_kv_blocks_released", "Held blocks released by their reader", registry=r)
+        self.kv_decode_recomputed = Counter(
+            "pdserve_kv_decode_recomputed_prompt_tokens",
+            "Prompt tokens a decode engine computed although the prefill sent their KV (0 when it ran only the "
+            "new token; the last prompt token each with --first-token-from decode; whole prompts after a failed "
+            "load)", registry=r)
         self.kv_held_blocks = Gauge("pdserve_kv_held_blocks", "Blocks held for remote decodes now", registry=r)
 
     def observe(self, stats: KvStats | dict[str, Any]) -> None:

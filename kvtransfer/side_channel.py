@@ -19,7 +19,8 @@ import msgspec
 import zmq
 
 from kvtransfer.errors import HandshakeError
-from kvtransfer.protocol import PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Message, Release, Reply, authorized
+from kvtransfer.protocol import (PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Message, Release, Reply, authorized,
+                                 engine_auth)
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.side_channel")
 
@@ -157,3 +158,14 @@ class SideChannelClient:
         if self.sock is not None:
             self.sock.close(linger=0)
             self.sock = None
+
+
+def release_once(endpoint: str, request_id: str, engine_id: str, token: str | None, timeout_s: float) -> Reply:
+    """One `Release` of a held request (the holder's own id for it, `TransferParams.request_id`)
+    on a fresh socket, signed for `engine_id` with the cluster token. Blocking: call it off the
+    event loop. Raises HandshakeError when the holder does not answer in time."""
+    client = SideChannelClient(endpoint, timeout_s)
+    try:
+        return client.call(Release(request_id=request_id, engine_id=engine_id, auth=engine_auth(token, engine_id)))
+    finally:
+        client.close()

@@ -78,6 +78,10 @@ def add_router(p: argparse.ArgumentParser) -> None:
                         "tokens; 0 always splits (default: 0)")
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="seconds a prefill may take before the decode worker prefills locally (default: 60)")
+    p.add_argument("--first-token-from", choices=["prefill", "decode"], default="prefill",
+                   help="disaggregated requests: stream the prefill worker's first token at once and have the "
+                        "decode worker continue after it (prefill), or have the decode worker regenerate it "
+                        "(decode, the old path); seeded requests always take the decode path (default: prefill)")
 
 
 def router_flags(args: argparse.Namespace) -> list[str]:
@@ -85,7 +89,8 @@ def router_flags(args: argparse.Namespace) -> list[str]:
     return ["--router-mode", args.router_mode, "--kv-overlap-score-weight", str(args.kv_overlap_score_weight),
             "--router-temperature", str(args.router_temperature),
             "--conditional-disagg-tokens", str(args.conditional_disagg_tokens),
-            "--prefill-timeout", str(args.prefill_timeout)] + (["--no-kv-events"] if args.no_kv_events else [])
+            "--prefill-timeout", str(args.prefill_timeout), "--first-token-from", args.first_token_from] + (
+                ["--no-kv-events"] if args.no_kv_events else [])
 
 
 def is_loopback_host(host: str) -> bool:

@@ -69,6 +69,19 @@ class AbortReply(msgspec.Struct, frozen=True):
     aborted: str
 
 
+class ReleaseRequest(msgspec.Struct, frozen=True):
+    """`POST /kv/release` on a prefill worker: free the blocks it holds for this request now
+    (the client's request id, as in its prefill `GenerateRequest`); the frontend sends it when
+    the prefill's own token ended the request and no decode worker will read them."""
+
+    request_id: str
+
+
+class ReleaseReply(msgspec.Struct, frozen=True, kw_only=True):
+    released: bool  # False: nothing held under that id (never held, already read, or expired)
+    message: str = ""
+
+
 class ErrorReply(msgspec.Struct, frozen=True):
     """The body of every non-200 reply of a worker (and of the frontend's internal API)."""
 

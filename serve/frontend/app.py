@@ -73,7 +73,8 @@ class Frontend:
         self.routing = Routing(self.settings, self.pool)
         self.generation = Generation(self.pool, self.client, self.tokenizer, self.metrics,
                                      self.settings.worker_read_timeout_s, self.settings.worker_connect_timeout_s,
-                                     self.routing, self.settings.prefill_timeout_s)
+                                     self.routing, self.settings.prefill_timeout_s,
+                                     first_token_from=self.settings.first_token_from)
         if self.settings.use_kv_events:
             self.kv_events = KVEventSubscriber(self.routing.router.index)
             self._sync_task = asyncio.create_task(self._sync_kv_events())

@@ -32,6 +32,17 @@ log = logging.getLogger("pdserve.frontend")
 
 
 @dataclass
+class Prefilled:
+    """What a prefill worker returned: where its KV is held, its prefix-cache hits, and the
+    token it sampled (with its finish reason: "stop" for EOS or a stop token, else "length")."""
+
+    params: TransferParams
+    cached: int
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
 class TextEvent:
     text: str
     finish_reason: str | None = None
@@ -43,8 +54,9 @@ class TextEvent:
 class Generation:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, tokenizer: Tokenizer,
                  metrics: FrontendMetrics, read_timeout_s: float, connect_timeout_s: float,
-                 routing: Routing, prefill_timeout_s: float) -> None:
+                 routing: Routing, prefill_timeout_s: float, first_token_from: str = "prefill") -> None:
         self.pool = pool
+        self.first_token_from = first_token_from
         self.routing = routing
         self.prefill_timeout_s = prefill_timeout_s
         self.client = client
@@ -64,16 +76,36 @@ class Generation:
         plan = self.routing.plan(prompt_ids)
         kv_transfer = None
         prefill_cached: int | None = None
+        # The prefill's token goes to the client at once and the decode worker continues after
+        # it, unless the old path is asked for or the request is seeded: a seeded sampler on
+        # the decode engine would start its draws afresh, away from an unsplit request's.
+        keep_first = self.first_token_from == "prefill" and sampling.seed is None
+        detok = IncrementalDetokenizer(self.tokenizer, stop)
+        decode_ids, decode_sampling = prompt_ids, sampling
+        first = _First(received)
         if plan.prefill is not None:
-            done = await self._prefill(plan, request_id, prompt_ids, sampling, deadline)
+            done = await self._prefill(plan, request_id, prompt_ids, sampling, deadline, keep_first)
             if done is not None:
-                kv_transfer, prefill_cached = done
+                kv_transfer, prefill_cached = done.params, done.cached
+                if keep_first and done.token_ids:
+                    event = first.take(done, detok, sampling, len(prompt_ids))
+                    self.metrics.ttft.observe(first.at - received)
+                    if event.finish_reason is not None:
+                        # Nothing left for a decode worker: free the prefill's blocks now.
+                        await self._release(plan.prefill, request_id)
+                        self._observe_plan(plan)
+                        yield event
+                        return
+                    yield event
+                    decode_ids = [*prompt_ids, *done.token_ids]
+                    decode_sampling = msgspec.structs.replace(
+                        sampling, max_tokens=sampling.max_tokens - first.tokens,
+                        min_tokens=max(0, sampling.min_tokens - first.tokens))
         elif plan.is_fallback:
             self.metrics.prefill_fallbacks.labels("no_prefill_worker").inc()
         self._observe_plan(plan)
-        body = p.encode(p.GenerateRequest(request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling,
-                                          kv_transfer=kv_transfer))
-        detok = IncrementalDetokenizer(self.tokenizer, stop)
+        body = p.encode(p.GenerateRequest(request_id=request_id, prompt_token_ids=decode_ids,
+                                          sampling=decode_sampling, kv_transfer=kv_transfer))
         tried: set[str] = set()
         worker = plan.decode
         while True:
@@ -82,7 +114,7 @@ class Generation:
             try:
                 with self.routing.load.reserve(worker.url, "decode", plan.prompt_blocks):
                     async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids),
-                                                    received):
+                                                    first):
                         started = True
                         if event.finish_reason is not None and prefill_cached is not None:
                             # The decode engine counts transferred tokens as cached; the client's
@@ -108,8 +140,20 @@ class Generation:
             m.router_decisions.labels("decode", dd.worker_id).inc()
         m.paths.labels(plan.reason).inc()
 
+    async def _release(self, worker: WorkerEntry, request_id: str) -> None:
+        """Ask a prefill worker to free the blocks it holds for `request_id` (its lease frees
+        them anyway if this fails)."""
+        try:
+            r = await self.client.post(f"{worker.url}/kv/release", content=p.encode(p.ReleaseRequest(request_id)),
+                                       headers={"content-type": "application/json"}, timeout=2.0)
+            if r.status_code != 200:
+                log.warning("request %s: release on %s: HTTP %d", request_id, worker.url, r.status_code)
+        except (httpx.HTTPError, OSError) as exc:
+            log.warning("request %s: release on %s failed (%s); its lease frees the blocks", request_id,
+                        worker.url, exc)
+
     async def _prefill(self, plan: RoutePlan, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
-                       deadline: float) -> tuple[TransferParams, int] | None:
+                       deadline: float, keep_first: bool = False) -> Prefilled | None:
         """Run the prompt on the prefill worker and return its transfer params; on any failure
         (error, timeout, unreachable) count a fallback and return None: the decode worker then
         runs the prefill itself."""
@@ -117,8 +161,8 @@ class Generation:
         if worker is None:
             raise ValueError("a prefill stage without a prefill worker")
         with self.routing.load.reserve(worker.url, "prefill", plan.prompt_blocks):
-            reason = await self._prefill_on(worker, request_id, prompt_ids, sampling, deadline)
-        if isinstance(reason, tuple):
+            reason = await self._prefill_on(worker, request_id, prompt_ids, sampling, deadline, keep_first)
+        if isinstance(reason, Prefilled):
             return reason
         log.warning("request %s: prefill on %s failed (%s); decode worker prefills locally",
                     request_id, worker.url, reason)
@@ -126,11 +170,13 @@ class Generation:
         return None
 
     async def _prefill_on(self, worker: WorkerEntry, request_id: str, prompt_ids: list[int],
-                          sampling: p.SamplingOptions, deadline: float) -> tuple[TransferParams, int] | str:
-        """The transfer params and cached tokens of a prefill, or why it failed."""
+                          sampling: p.SamplingOptions, deadline: float, keep_first: bool) -> Prefilled | str:
+        """The transfer params, cached tokens and token of a prefill, or why it failed. A token
+        the client will see honours its min_tokens (no EOS when min_tokens >= 1)."""
         body = p.encode(p.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, remote_decode=True,
-            sampling=msgspec.structs.replace(sampling, max_tokens=1, min_tokens=0)))
+            sampling=msgspec.structs.replace(sampling, max_tokens=1,
+                                             min_tokens=min(sampling.min_tokens, 1) if keep_first else 0)))
         timeout = max(0.1, min(self.prefill_timeout_s, deadline - time.monotonic()))
         try:
             async with asyncio.timeout(timeout):
@@ -139,7 +185,7 @@ class Generation:
                                            timeout=httpx.Timeout(timeout, connect=self.connect_timeout_s))
                 if r.status_code != 200:
                     raise WorkerError(f"HTTP {r.status_code}: {r.text[:200]}")
-                params, cached = None, 0
+                params, cached, tokens, reason = None, 0, [], None
                 for line in r.content.splitlines():
                     if line:
                         delta = self._decode_delta(line)
@@ -147,9 +193,11 @@ class Generation:
                             raise WorkerError(delta.error)
                         params = delta.kv_transfer or params
                         cached = delta.num_cached_tokens if delta.num_cached_tokens is not None else cached
+                        tokens += delta.token_ids
+                        reason = delta.finish_reason or reason
                 if params is None:
                     raise WorkerError("prefill finished without KV transfer params")
-                return params, cached
+                return Prefilled(params, cached, tokens[:1], reason)
         except TimeoutError:
             return "timeout"
         except httpx.ConnectError:
@@ -162,14 +210,15 @@ class Generation:
             return "error"
 
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,
-                      deadline: float, n_prompt: int, received: float) -> AsyncIterator[TextEvent]:
-        """One worker's stream. A retry on another worker happens only before any token
+                      deadline: float, n_prompt: int, first: _First) -> AsyncIterator[TextEvent]:
+        """One worker's stream, after the tokens `first` already gave the client (the
+        prefill's). A retry on another worker happens only before this stream's first token
         (`run`), so TTFT is observed once per request."""
         finished = False
-        completion = 0
+        completion = first.tokens
         cached = 0
-        last = received
-        first_token_at: float | None = None
+        last = first.at
+        first_token_at: float | None = first.at if first.tokens else None
         timeout = httpx.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s, write=10.0, pool=10.0)
         try:
             async with self.client.stream("POST", f"{worker.url}/generate", content=body, timeout=timeout,
@@ -200,12 +249,12 @@ class Generation:
                     if delta.num_cached_tokens is not None:
                         cached = delta.num_cached_tokens
                     now = time.monotonic()
-                    first = False
+                    is_first = False
                     if delta.token_ids:
                         if first_token_at is None:
                             first_token_at = now
-                            first = True
-                            self.metrics.ttft.observe(now - received)
+                            is_first = True
+                            self.metrics.ttft.observe(now - first.at)  # first.at: the arrival here
                         else:
                             gap = (now - last) / len(delta.token_ids)
                             for _ in delta.token_ids:
@@ -222,7 +271,7 @@ class Generation:
                         text += detok.finish()
                         yield TextEvent(text, delta.finish_reason or "stop", n_prompt, completion, cached)
                         return
-                    if text or first:
+                    if text or is_first:
                         yield TextEvent(text)
         finally:
             if not finished:
@@ -236,3 +285,24 @@ class Generation:
             await asyncio.shield(self.client.post(
                 f"{worker.url}/abort", content=p.encode(p.AbortRequest(request_id=request_id)),
                 headers={"content-type": "application/json"}, timeout=2.0))
+
+
+class _First:
+    """The first token when the prefill worker's sampled one is kept: the client's event for
+    it, and when it came (`at`; the request's arrival until then)."""
+
+    def __init__(self, received: float) -> None:
+        self.at = received
+        self.tokens = 0
+
+    def take(self, done: Prefilled, detok: IncrementalDetokenizer, sampling: p.SamplingOptions,
+             n_prompt: int) -> TextEvent:
+        self.at = time.monotonic()
+        self.tokens = len(done.token_ids)
+        text = detok.add(done.token_ids)
+        if detok.stopped:  # a stop string
+            return TextEvent(text, "stop", n_prompt, self.tokens, done.cached)
+        if done.finish_reason == "stop" or self.tokens >= sampling.max_tokens:  # EOS/stop token, or max_tokens
+            reason = "stop" if done.finish_reason == "stop" else "length"
+            return TextEvent(text + detok.finish(), reason, n_prompt, self.tokens, done.cached)
+        return TextEvent(text)

@@ -40,6 +40,7 @@ class FrontendSettings:
     use_kv_events: bool = True
     conditional_disagg_tokens: int = 0
     prefill_timeout_s: float = 60.0
+    first_token_from: str = "prefill"  # "decode": the decode worker regenerates the prefill's token
     block_size: int = 128
 
     @staticmethod
@@ -85,7 +86,8 @@ class FrontendSettings:
             worker_read_timeout_s=args.worker_read_timeout, router_mode=args.router_mode,
             kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
             use_kv_events=not args.no_kv_events, conditional_disagg_tokens=args.conditional_disagg_tokens,
-            prefill_timeout_s=args.prefill_timeout, graceful_timeout_s=args.graceful_timeout,
+            prefill_timeout_s=args.prefill_timeout, first_token_from=args.first_token_from,
+            graceful_timeout_s=args.graceful_timeout,
             drain_settle_s=args.drain_settle, api_keys=list(args.api_key), cluster_token=args.cluster_token,
             max_active_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
             queue_timeout_s=args.queue_timeout, auth_exempt_paths=flags.paths(args.auth_exempt_paths),

@@ -153,7 +153,8 @@ class SimBackend:
         try:
             sim = self.engine.add(req.request_id, list(req.prompt_token_ids), req.sampling,
                                   hold=req.remote_decode and self.holder is not None,
-                                  loading=req.kv_transfer is not None)
+                                  loading=req.kv_transfer is not None,
+                                  remote_tokens=req.kv_transfer.num_tokens if req.kv_transfer is not None else None)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         if req.kv_transfer is not None:

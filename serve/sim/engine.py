@@ -21,6 +21,8 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvtransfer.protocol import TransferParams
 from serve import protocol as p
 from serve.sim.blocks import BlockTable, NoSpace
@@ -62,6 +64,11 @@ class SimRequest:
     finished: str | None = None  # finish reason
     deltas: asyncio.Queue = field(default_factory=asyncio.Queue)
     arrival: float = 0.0
+    # Tokens at the prompt's end that are output already (the prefill's token a decode
+    # continues after): they count in the output's positions, so a split request's tokens
+    # are an unsplit one's; `remote_tokens` is how many prompt tokens the remote KV covers.
+    offset: int = 0
+    remote_tokens: int | None = None
 
     @property
     def context(self) -> list[int]:
@@ -116,7 +123,9 @@ class SimEngine:
 
     # -- requests ---------------------------------------------------------------------
     def add(self, request_id: str, prompt: list[int], sampling: p.SamplingOptions, hold: bool = False,
-            loading: bool = False) -> SimRequest:
+            loading: bool = False, remote_tokens: int | None = None) -> SimRequest:
+        """`remote_tokens`: how many prompt tokens a remote prefill's KV covers; the ones after
+        it are that prefill's output (its first token), which this request continues."""
         if request_id in self.requests:
             raise ValueError(f"request {request_id} is already running")
         if len(prompt) + sampling.max_tokens > self.cfg.max_model_len:
@@ -129,8 +138,9 @@ class SimEngine:
         if not self.cfg.enable_chunked_prefill and len(prompt) > self.cfg.max_num_batched_tokens:
             raise ValueError(f"prompt ({len(prompt)}) exceeds max_num_batched_tokens "
                              f"{self.cfg.max_num_batched_tokens} without chunked prefill")
-        req = SimRequest(request_id, prompt, sampling, request_key(prompt, sampling), hold=hold, loading=loading,
-                         arrival=self.clock())
+        base = len(prompt) if remote_tokens is None else max(1, min(remote_tokens, len(prompt)))
+        req = SimRequest(request_id, prompt, sampling, request_key(prompt[:base], sampling), hold=hold, loading=loading,
+                         arrival=self.clock(), offset=len(prompt) - base, remote_tokens=remote_tokens)
         self.requests[request_id] = req
         self.waiting.append(req)
         self._wake.set()
@@ -150,7 +160,10 @@ class SimEngine:
                 req.allocated = True
                 req.cached = cached
                 req.target = len(req.prompt)
-                req.computed = len(req.prompt) - 1  # the last token is computed here, to sample
+                # As vLLM: the tokens the remote KV covers are computed, and at least the last
+                # prompt token runs here, to sample (it is the prefill's token when one came along).
+                covered = len(req.prompt) if req.remote_tokens is None else min(req.remote_tokens, len(req.prompt))
+                req.computed = min(covered, len(req.prompt) - 1)
                 req.external = req.computed - cached
                 self.table.commit(req.request_id, req.prompt[:req.computed])
         self._wake.set()
@@ -264,18 +277,21 @@ class SimEngine:
             self._sample(req)
 
     def _sample(self, req: SimRequest) -> None:
-        pos = len(req.output)
-        tok = token_at(req.key, pos, self.vocab, req.sampling, self.cfg.eos_rate)
+        # Positions and min_tokens count the output the prompt already carries (`offset`).
+        pos = req.offset + len(req.output)
+        sampling = req.sampling if not req.offset else msgspec.structs.replace(
+            req.sampling, min_tokens=req.sampling.min_tokens + req.offset)
+        tok = token_at(req.key, pos, self.vocab, sampling, self.cfg.eos_rate)
         req.output.append(tok)
         self.counters.generation_tokens += 1
         if len(req.output) > 1:
             self.table.commit(req.request_id, req.prompt + req.output[:-1])
         reason = None
-        if is_stop(tok, pos, self.vocab, req.sampling):
+        if is_stop(tok, pos, self.vocab, sampling):
             reason = "stop"
         elif len(req.output) >= req.sampling.max_tokens:
             reason = "length"
-        first = pos == 0
+        first = len(req.output) == 1
         params = self._finish(req, reason, announce=False) if reason is not None else None
         req.deltas.put_nowait(p.TokenDelta(
             token_ids=[tok], finished=reason is not None, finish_reason=reason,

@@ -38,6 +38,7 @@ from serve.http import DisconnectAwareStreamingResponse
 from serve.worker.backend import EngineBackend, EngineLoad, InvalidRequest
 from serve.worker.metrics import WorkerMetrics
 from serve.worker.registration import WorkerRegistration
+from serve.worker.releases import HeldTransfers
 from serve.worker.settings import WorkerSettings
 
 log = logging.getLogger("pdserve.worker")
@@ -73,6 +74,8 @@ class Worker:
                                                lambda: self._http)
         self._decode_generate = p.decoder(p.GenerateRequest)
         self._decode_abort = p.decoder(p.AbortRequest)
+        self._decode_release = p.decoder(p.ReleaseRequest)
+        self.held = HeldTransfers(f"{self.worker_id}-release", settings.cluster_token)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -171,6 +174,12 @@ class Worker:
         try:
             async for delta in self.engine.generate(req):
                 n_out += len(delta.token_ids)
+                if req.kv_transfer is not None and delta.num_cached_tokens is not None and n_out <= len(delta.token_ids):
+                    # The first step after the load: prompt tokens whose KV the prefill had
+                    # sent but this engine computed again (0 when only the new token ran).
+                    self.metrics.kv.kv_decode_recomputed.inc(max(0, req.kv_transfer.num_tokens - delta.num_cached_tokens))
+                if req.remote_decode and delta.kv_transfer is not None:
+                    self.held.remember(req.request_id, delta.kv_transfer)
                 if delta.finished:
                     finished = True
                     outcome = "aborted" if delta.finish_reason == "abort" else "ok"
@@ -212,6 +221,13 @@ class Worker:
             except TimeoutError:
                 return error("engine did not acknowledge the abort in time", 504)
         return reply(p.AbortReply(req.request_id))
+
+    async def release(self, request: Request) -> Response:
+        try:
+            req = self._decode_release(await request.body())
+        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+            return error(f"invalid release request: {exc}", 400)
+        return reply(await self.held.release(req.request_id))
 
     async def reset_prefix_cache(self) -> Response:
         """Drop the engine's prefix cache (benchmarks and tests that need a cold cache)."""
@@ -284,6 +300,7 @@ def build_app(worker: Worker) -> FastAPI:
                        internal_prefix="/", role=f"worker {worker.worker_id}")
     app.add_api_route("/generate", worker.generate, methods=["POST"])
     app.add_api_route("/abort", worker.abort, methods=["POST"])
+    app.add_api_route("/kv/release", worker.release, methods=["POST"])
     app.add_api_route("/info", worker.get_info, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", worker.reset_prefix_cache, methods=["POST"])
     app.add_api_route("/load", worker.get_load, methods=["GET"])

@@ -53,9 +53,14 @@ def frontend_histogram(url: str, name: str) -> tuple[float, float]:
     return metric_value(text, f"{name}_count"), metric_value(text, f"{name}_sum")
 
 
-@pytest.mark.parametrize("roles,steps", [(["agg"], 1), (["prefill", "decode"], 2)], ids=["agg", "disagg"])
-def test_ttft_counts_from_arrival_and_the_first_chunk_waits_for_the_first_token(model_dir, roles, steps):
-    with ThreadedSimCluster(model_dir, roles, engine_flags=FLAGS) as c:
+@pytest.mark.parametrize("roles,first_from,steps", [
+    (["agg"], "prefill", 1),
+    # The prefill's own token goes to the client: one step, as aggregated.
+    (["prefill", "decode"], "prefill", 1),
+    # The old path: the decode worker regenerates it, a step after the prefill's.
+    (["prefill", "decode"], "decode", 2)], ids=["agg", "disagg", "disagg-first-token-from-decode"])
+def test_ttft_counts_from_arrival_and_the_first_chunk_waits_for_the_first_token(model_dir, roles, first_from, steps):
+    with ThreadedSimCluster(model_dir, roles, engine_flags=FLAGS, frontend={"first_token_from": first_from}) as c:
         for kind in ("chat", "completions"):
             n0, ttft0 = frontend_histogram(c.url, "pdserve_frontend_time_to_first_token_seconds")
             d0, dur0 = frontend_histogram(c.url, "pdserve_frontend_request_duration_seconds")
@@ -70,7 +75,11 @@ def test_ttft_counts_from_arrival_and_the_first_chunk_waits_for_the_first_token(
             assert ttft >= steps * STEP_S, (kind, ttft)
             # The frontend's clock runs inside the client's: from arrival, not from a later stage.
             assert ttft <= first, (kind, ttft, first)
-            assert duration >= ttft + 2 * STEP_S  # two more tokens, a step each
+            # From arrival too: the first token's steps and two more tokens, a step each. (Not
+            # ttft + 2 steps: on a busy machine the frontend may see the first token late, and
+            # the next ones then less than a step after it.)
+            assert duration >= (steps + 2) * STEP_S, (kind, duration)
+            assert duration >= ttft
             # Nothing before the first token: the first chunk arrives after it exists.
             assert first >= steps * STEP_S, (kind, first)
             if kind == "chat":
