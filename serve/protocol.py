@@ -191,6 +191,9 @@ class ExplainReply(msgspec.Struct, frozen=True, kw_only=True):
     path: str  # agg | disagg | conditional | no-prefill-worker
     prefill: ExplainStage | None
     decode: ExplainStage | None
+    # Disaggregated paths: "prefill" (its token is streamed at once and the decode worker
+    # continues after it) or "decode" (it regenerates it: --first-token-from decode, or seeded).
+    first_token_from: str | None = None
 
 
 def encode(msg: msgspec.Struct) -> bytes:

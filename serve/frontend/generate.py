@@ -76,10 +76,7 @@ class Generation:
         plan = self.routing.plan(prompt_ids)
         kv_transfer = None
         prefill_cached: int | None = None
-        # The prefill's token goes to the client at once and the decode worker continues after
-        # it, unless the old path is asked for or the request is seeded: a seeded sampler on
-        # the decode engine would start its draws afresh, away from an unsplit request's.
-        keep_first = self.first_token_from == "prefill" and sampling.seed is None
+        keep_first = self.first_token_source(sampling.seed) == "prefill"
         detok = IncrementalDetokenizer(self.tokenizer, stop)
         decode_ids, decode_sampling = prompt_ids, sampling
         first = _First(received)
@@ -129,6 +126,14 @@ class Generation:
                 if started:
                     raise WorkerError(f"worker {worker.url} unreachable") from exc
             worker = self.routing.next_worker(plan.decode_roles, tried, len(prompt_ids))
+
+    def first_token_source(self, seed: int | None) -> str:
+        """Which worker gives a split request its first token. "prefill": its token goes to
+        the client at once and the decode worker continues after it; "decode": the decode
+        worker regenerates it (--first-token-from decode, or a seeded request: a seeded
+        sampler on the decode engine would start its draws afresh, away from an unsplit
+        request's)."""
+        return "prefill" if self.first_token_from == "prefill" and seed is None else "decode"
 
     def _observe_plan(self, plan: RoutePlan) -> None:
         m = self.metrics

@@ -83,8 +83,13 @@ class InternalApi:
         try:
             body = await read_json(request, fe.settings.max_body_bytes)
             kind, model = request_model(body)
-            prompt_ids = fe.openai.prompt_ids(oai.parse(model, body), kind)
-            return reply(fe.routing.explain(prompt_ids))
+            req = oai.parse(model, body)
+            prompt_ids = fe.openai.prompt_ids(req, kind)
+            explained = fe.routing.explain(prompt_ids)
+            if explained.prefill is not None:
+                explained = msgspec.structs.replace(
+                    explained, first_token_from=fe.generation.first_token_source(getattr(req, "seed", None)))
+            return reply(explained)
         except APIError as err:
             return error_response(err)
         except NoWorkerAvailable as exc:

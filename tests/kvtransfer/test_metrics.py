@@ -116,7 +116,7 @@ def test_gbps_is_left_alone_by_a_report_without_reads():
 
 
 # The worker's pdserve_kv_* metrics as serve/worker.py defined them before they moved here
-# (names, types, help texts): dashboards and tests read these.
+# (names, types, help texts), and those added since: dashboards and tests read these.
 WORKER_KV_METRICS = {
     "pdserve_kv_reads": ("counter", "Completed KV READs (one per request)"),
     "pdserve_kv_blocks_transferred": ("counter", "KV blocks read from prefill engines"),
@@ -128,6 +128,11 @@ WORKER_KV_METRICS = {
     "pdserve_kv_recomputes": ("counter", "Requests recomputed locally after a failed load"),
     "pdserve_kv_held_requests": ("counter", "Requests whose blocks were held for a remote decode"),
     "pdserve_kv_blocks_released": ("counter", "Held blocks released by their reader"),
+    # Added with the prefill's first token streamed at once (the decode engine runs only it).
+    "pdserve_kv_decode_recomputed_prompt_tokens": (
+        "counter", "Prompt tokens a decode engine computed although the prefill sent their KV (0 when it ran only "
+                   "the new token; the last prompt token each with --first-token-from decode; whole prompts after a "
+                   "failed load)"),
     "pdserve_kv_held_blocks": ("gauge", "Blocks held for remote decodes now"),
 }
 

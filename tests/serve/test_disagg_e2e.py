@@ -1,7 +1,8 @@
 """Disaggregated serving end to end: frontend + prefill worker(s) + decode worker, real HTTP.
 
-Greedy answers equal aggregated mode's, the prefill worker really serves the prompts (its
-request counter) with no fallback, KV-aware routing sends shared prefixes back to the
+Greedy answers equal aggregated mode's (the prefill's own first token goes to the client and
+the decode engine continues after it, computing no prompt token again), the prefill worker
+really serves the prompts (its request counter) with no fallback, KV-aware routing sends shared prefixes back to the
 worker that has them. It runs on the session's real cluster (tests/helpers/realcluster.py), which
 tests/serve/test_faults.py then breaks on purpose. (Losing a prefill worker, and other
 faults: test_faults.py.)
@@ -55,11 +56,14 @@ def test_disagg_answers_equal_agg_and_prefill_worker_serves(disagg, frontend):
     furl = disagg.frontend
     p0, d0, f0 = metrics(disagg.urls["prefill"]), metrics(disagg.urls["decode1"]), metrics(furl)
     for messages in PROMPTS:
-        agg_text, _ = chat(frontend, messages)
+        agg_text, agg_usage = chat(frontend, messages)
         for stream in (False, True):
             text, usage = chat(furl, messages, stream=stream)
             assert text == agg_text, (messages, stream)
             assert usage["completion_tokens"] > 0
+            # The client's prompt, and the prefill's token counted once.
+            assert (usage["prompt_tokens"], usage["completion_tokens"]) == (agg_usage["prompt_tokens"],
+                                                                            agg_usage["completion_tokens"])
     p1, d1, f1 = metrics(disagg.urls["prefill"]), metrics(disagg.urls["decode1"]), metrics(furl)
 
     def fallbacks(m) -> float:
@@ -72,6 +76,10 @@ def test_disagg_answers_equal_agg_and_prefill_worker_serves(disagg, frontend):
               - metric(p0, "pdserve_worker_requests_total", role="prefill", outcome="ok"))
     assert served == 6
     assert metric(d1, "pdserve_kv_reads_total") - metric(d0, "pdserve_kv_reads_total") >= 3
+    # The decode engine ran only the prefill's token after each load: no prompt token again.
+    recomputed = "pdserve_kv_decode_recomputed_prompt_tokens_total"
+    assert any(name == recomputed for name, _ in d1)  # exported (a missing one would read 0 too)
+    assert metric(d1, recomputed) - metric(d0, recomputed) == 0
     # The request id reaches both workers' logs.
     rid = "disagg-trace-1"
     r = httpx.post(f"{furl}/v1/chat/completions", headers={"x-request-id": rid}, timeout=60,

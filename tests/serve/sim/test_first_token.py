@@ -121,3 +121,32 @@ def test_streamed_split_answer_arrives_token_by_token_from_the_first(model_dir):
             assert usage["completion_tokens"] == 6 and usage["prompt_tokens"] == unary["prompt"]
 
     asyncio.run(run())
+
+
+def test_explain_says_who_gives_the_first_token(model_dir):
+    async def run() -> None:
+        async with SimCluster(model_dir, ["prefill", "decode"]) as c:
+            async def explain(**extra) -> dict:
+                r = await c.client.post(f"{c.url}/v1/route/explain", json={"model": MODEL, "prompt": LONG, **extra})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            assert (await explain())["first_token_from"] == "prefill"
+            # A seeded request keeps the old path: the decode engine's sampler draws from the start.
+            assert (await explain(seed=7, temperature=1.0))["first_token_from"] == "decode"
+        async with SimCluster(model_dir, ["agg"]) as c:
+            r = await c.client.post(f"{c.url}/v1/route/explain", json={"model": MODEL, "prompt": LONG})
+            assert r.json()["first_token_from"] is None
+
+    asyncio.run(run())
+
+
+def test_seeded_split_requests_repeat_the_unsplit_answer(model_dir):
+    async def run() -> None:
+        body = dict(max_tokens=10, temperature=1.0, seed=11)
+        async with SimCluster(model_dir, ["agg"]) as c:
+            want = await answer(c, LONG, **body)
+        async with SimCluster(model_dir, ["prefill", "decode"], worker=LEASE) as c:
+            assert await answer(c, LONG, **body) == want
+
+    asyncio.run(run())
