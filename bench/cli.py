@@ -15,7 +15,7 @@ import sys
 from bench.errors import BenchError
 
 TOOLS = ("profile", "sweep", "compare", "fake-server", "loadgen-vs-aiperf", "calibrate", "compare-plan", "kv", "soak",
-         "engine-memory", "ttft-agreement")
+         "engine-memory", "ttft-agreement", "first-token")
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -73,6 +73,9 @@ def _add_tool_parsers(bsub: argparse._SubParsersAction) -> None:
     from bench.perf.ttft_agreement import add_parser as add_ttft_agreement_parser
 
     add_ttft_agreement_parser(bsub)
+    from bench.perf.first_token import add_parser as add_first_token_parser
+
+    add_first_token_parser(bsub)
     from bench.plan.cli import add_bench_parsers
 
     add_bench_parsers(bsub)
@@ -138,6 +141,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.perf.engine_memory import run as run_engine_memory
 
         return run_engine_memory(args)
+    if cmd == "first-token":
+        from bench.perf.first_token import run as run_first_token
+
+        return run_first_token(args)
     if cmd == "ttft-agreement":
         from bench.perf.ttft_agreement import run as run_ttft_agreement
 

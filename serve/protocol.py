@@ -59,6 +59,7 @@ class TokenDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     num_cached_tokens: int | None = None
     kv_transfer: TransferParams | None = None
     error: str | None = None
+    kv_load_s: float | None = None  # first line of a decode with remote KV: how long it waited for the KV
 
 
 class AbortRequest(msgspec.Struct, frozen=True):

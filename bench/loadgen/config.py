@@ -237,6 +237,9 @@ def _headers(items: list[str], api_key: str | None) -> dict[str, str]:
         if not sep or not k.strip():
             raise LoadgenError(f"--header {item!r}: expected NAME:VALUE")
         out[k.strip()] = v.strip()
+    # pdserve's frontend then reports each request's TTFT by stage (other servers ignore it).
+    if not any(k.lower() == "x-pdserve-timing" for k in out):
+        out["X-PDSERVE-Timing"] = "1"
     if api_key:
         out.setdefault("Authorization", f"Bearer {api_key}")
     return out

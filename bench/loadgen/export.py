@@ -87,6 +87,26 @@ def summary(result: ProfileResult) -> dict[str, Any]:
     cancelled = sum(1 for r in recs if r.cancelled)
     if cancelled:
         out["cancelled_request_count"] = scalar(cancelled, "requests")
+    out.update(server_timing_summary(recs))
+    return out
+
+
+SERVER_STAGES = ("queue", "tokenize", "route", "prefill", "kv_transfer", "decode_first_step", "other")
+
+
+def server_timing_summary(records: list[M.Record]) -> dict[str, Any]:
+    """The server's own TTFT and its stages (pdserve's X-PDSERVE-Timing), in ms, over the
+    successful requests that carried them: `server_ttft`, `server_stage_<stage>`. A stage a
+    request's path does not have counts as 0 for it, so the stages' averages add up to the
+    server TTFT's."""
+    timed = [r.server_timing for r in records if r.ok and r.server_timing and r.server_timing.get("ttft_ms") is not None]
+    if not timed:
+        return {}
+    out = {"server_ttft": summarize([t["ttft_ms"] for t in timed], "ms")}
+    for stage in SERVER_STAGES:
+        values = [float((t.get("stages_ms") or {}).get(stage, 0.0)) for t in timed]
+        if any(values):
+            out[f"server_stage_{stage}"] = summarize(values, "ms")
     return out
 
 
@@ -94,7 +114,9 @@ def _headers() -> dict[str, str]:
     h = {tag: info.header for tag, (info, _) in M.PER_REQUEST.items()}
     h.update({tag: header for tag, header, _, _ in RUN_METRICS})
     h.update({"benchmark_duration": "Benchmark Duration", "goodput": "Goodput",
-              "good_request_count": "Good Request Count", "cancelled_request_count": "Cancelled Request Count"})
+              "good_request_count": "Good Request Count", "cancelled_request_count": "Cancelled Request Count",
+              "server_ttft": "Server Time to First Token"})
+    h.update({f"server_stage_{s}": f"Server TTFT Stage {s}" for s in SERVER_STAGES})
     return h
 
 
@@ -205,6 +227,7 @@ def record_line(r: M.Record) -> dict[str, Any]:
                      "was_cancelled": r.cancelled},
         "metrics": metrics,
         "error": None if r.error is None else {"code": r.error.code, "type": r.error.type, "message": r.error.message},
+        **({"pdserve_timing": r.server_timing} if r.server_timing is not None else {}),
     }
 
 

@@ -46,6 +46,8 @@ class Record:
     streaming: bool = False
     error: ErrorInfo | None = None
     cancelled: bool = False
+    # pdserve's frontend: the request's TTFT by stage (X-PDSERVE-Timing), {"path", "ttft_ms", "stages_ms"}
+    server_timing: dict | None = None
 
     @property
     def ok(self) -> bool:
@@ -140,6 +142,8 @@ def parse_response(rec: Record, resp: RawResponse, chat: bool) -> Record:
                 rec.content_ns.append(ts)
                 texts.append(text)
             _usage(rec, obj)
+            if isinstance(obj.get("pdserve_timing"), dict):
+                rec.server_timing = obj["pdserve_timing"]
         rec.text = "".join(texts)
         if not rec.content_ns:
             rec.error = ErrorInfo(None, "empty_response", "the stream carried no content")
@@ -156,4 +160,18 @@ def parse_response(rec: Record, resp: RawResponse, chat: bool) -> Record:
     rec.text = _content_of(obj, chat)
     _usage(rec, obj)
     rec.content_ns = [resp.end_ns]
+    rec.server_timing = _timing_header(resp.headers.get(TIMING_HEADER))
     return rec
+
+
+TIMING_HEADER = "x-pdserve-timing"
+
+
+def _timing_header(raw: str | None) -> dict | None:
+    if not raw:
+        return None
+    try:
+        obj = json.loads(raw)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) else None

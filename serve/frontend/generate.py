@@ -26,6 +26,7 @@ from serve.frontend.metrics import FrontendMetrics
 from kvtransfer.protocol import TransferParams
 from serve.frontend.pool import WorkerEntry, WorkerPool
 from serve.frontend.routing import RoutePlan, Routing
+from serve.frontend.timing import RequestTiming
 from serve.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
 
 log = logging.getLogger("pdserve.frontend")
@@ -68,64 +69,90 @@ class Generation:
 
     async def run(self, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
                   stop: list[str] | None, deadline: float,
-                  received: float | None = None) -> AsyncIterator[TextEvent]:
+                  received: float | None = None, timing: RequestTiming | None = None) -> AsyncIterator[TextEvent]:
         """The request's text events; the first one comes with its first token (its text may
         be empty while the detokenizer waits for more). `received`: when the frontend got the
-        request (monotonic; default now), where its TTFT starts, whatever the path."""
+        request (monotonic; default now), where its TTFT starts, whatever the path. `timing`:
+        the request's stage breakdown so far (serve.frontend.timing), completed here."""
         received = time.monotonic() if received is None else received
+        timing = timing if timing is not None else RequestTiming(received)
+        timing.start("route")
         plan = self.routing.plan(prompt_ids)
+        timing.stop("route")
+        timing.path = plan.reason
         kv_transfer = None
         prefill_cached: int | None = None
         keep_first = self.first_token_source(sampling.seed) == "prefill"
         detok = IncrementalDetokenizer(self.tokenizer, stop)
         decode_ids, decode_sampling = prompt_ids, sampling
         first = _First(received)
+        done: Prefilled | None = None
         if plan.prefill is not None:
+            timing.start("prefill")
             done = await self._prefill(plan, request_id, prompt_ids, sampling, deadline, keep_first)
+            timing.stop("prefill")
             if done is not None:
                 kv_transfer, prefill_cached = done.params, done.cached
-                if keep_first and done.token_ids:
-                    event = first.take(done, detok, sampling, len(prompt_ids))
-                    self.metrics.ttft.observe(first.at - received)
-                    if event.finish_reason is not None:
-                        # Nothing left for a decode worker: free the prefill's blocks now.
-                        await self._release(plan.prefill, request_id)
-                        self._observe_plan(plan)
-                        yield event
-                        return
-                    yield event
-                    decode_ids = [*prompt_ids, *done.token_ids]
-                    decode_sampling = msgspec.structs.replace(
-                        sampling, max_tokens=sampling.max_tokens - first.tokens,
-                        min_tokens=max(0, sampling.min_tokens - first.tokens))
         elif plan.is_fallback:
             self.metrics.prefill_fallbacks.labels("no_prefill_worker").inc()
         self._observe_plan(plan)
-        body = p.encode(p.GenerateRequest(request_id=request_id, prompt_token_ids=decode_ids,
-                                          sampling=decode_sampling, kv_transfer=kv_transfer))
-        tried: set[str] = set()
-        worker = plan.decode
-        while True:
-            tried.add(worker.url)
-            started = False
-            try:
-                with self.routing.load.reserve(worker.url, "decode", plan.prompt_blocks):
-                    async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids),
-                                                    first):
-                        started = True
-                        if event.finish_reason is not None and prefill_cached is not None:
-                            # The decode engine counts transferred tokens as cached; the client's
-                            # cached tokens are the prefill engine's prefix-cache hits.
-                            event.cached_tokens = prefill_cached
-                        yield event
-                return
-            except httpx.ConnectError as exc:
-                # Nothing reached the engine: another worker may take it.
-                self.pool.report_failure(worker.url)
-                log.warning("request %s: worker %s unreachable (%s)", request_id, worker.url, exc)
-                if started:
-                    raise WorkerError(f"worker {worker.url} unreachable") from exc
-            worker = self.routing.next_worker(plan.decode_roles, tried, len(prompt_ids))
+        # Whether a decode worker got the request (it then reads the held KV, or releases it
+        # when it ends first); until then the prefill's blocks are this request's to free.
+        handed_over = kv_transfer is None
+        try:
+            if done is not None and keep_first and done.token_ids:
+                event = first.take(done, detok, sampling, len(prompt_ids))
+                self._first_token(timing, first.at)
+                if event.finish_reason is not None:
+                    # Nothing left for a decode worker: free the prefill's blocks now.
+                    handed_over = True
+                    await self._release(plan.prefill, request_id)
+                    yield event
+                    return
+                yield event
+                decode_ids = [*prompt_ids, *done.token_ids]
+                decode_sampling = msgspec.structs.replace(
+                    sampling, max_tokens=sampling.max_tokens - first.tokens,
+                    min_tokens=max(0, sampling.min_tokens - first.tokens))
+            body = p.encode(p.GenerateRequest(request_id=request_id, prompt_token_ids=decode_ids,
+                                              sampling=decode_sampling, kv_transfer=kv_transfer))
+            tried: set[str] = set()
+            worker = plan.decode
+            while True:
+                tried.add(worker.url)
+                started = False
+                try:
+                    with self.routing.load.reserve(worker.url, "decode", plan.prompt_blocks):
+                        handed_over = True
+                        async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids),
+                                                        first, timing, after_prefill=plan.prefill is not None):
+                            started = True
+                            if event.finish_reason is not None and prefill_cached is not None:
+                                # The decode engine counts transferred tokens as cached; the client's
+                                # cached tokens are the prefill engine's prefix-cache hits.
+                                event.cached_tokens = prefill_cached
+                            yield event
+                    return
+                except httpx.ConnectError as exc:
+                    # Nothing reached the engine: another worker may take it.
+                    handed_over = kv_transfer is None
+                    self.pool.report_failure(worker.url)
+                    log.warning("request %s: worker %s unreachable (%s)", request_id, worker.url, exc)
+                    if started:
+                        raise WorkerError(f"worker {worker.url} unreachable") from exc
+                worker = self.routing.next_worker(plan.decode_roles, tried, len(prompt_ids))
+        finally:
+            if not handed_over and plan.prefill is not None:
+                # The client left, or no decode worker could be reached, before any decode
+                # worker had the request: free the prefill's blocks now, not at lease end.
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._release(plan.prefill, request_id))
+
+    def _first_token(self, timing: RequestTiming, at: float) -> None:
+        timing.first_token(at)
+        self.metrics.ttft.observe(timing.ttft)
+        for stage, seconds in timing.stages.items():
+            self.metrics.stages.labels(stage).observe(seconds)
 
     def first_token_source(self, seed: int | None) -> str:
         """Which worker gives a split request its first token. "prefill": its token goes to
@@ -215,7 +242,8 @@ class Generation:
             return "error"
 
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,
-                      deadline: float, n_prompt: int, first: _First) -> AsyncIterator[TextEvent]:
+                      deadline: float, n_prompt: int, first: _First, timing: RequestTiming,
+                      after_prefill: bool) -> AsyncIterator[TextEvent]:
         """One worker's stream, after the tokens `first` already gave the client (the
         prefill's). A retry on another worker happens only before this stream's first token
         (`run`), so TTFT is observed once per request."""
@@ -225,6 +253,8 @@ class Generation:
         last = first.at
         first_token_at: float | None = first.at if first.tokens else None
         timeout = httpx.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s, write=10.0, pool=10.0)
+        sent = time.monotonic()
+        kv_load_s = 0.0
         try:
             async with self.client.stream("POST", f"{worker.url}/generate", content=body, timeout=timeout,
                                           headers={"content-type": "application/json",
@@ -253,13 +283,22 @@ class Generation:
                         raise WorkerError(delta.error)
                     if delta.num_cached_tokens is not None:
                         cached = delta.num_cached_tokens
+                    if delta.kv_load_s is not None:
+                        kv_load_s = delta.kv_load_s
                     now = time.monotonic()
                     is_first = False
                     if delta.token_ids:
                         if first_token_at is None:
                             first_token_at = now
                             is_first = True
-                            self.metrics.ttft.observe(now - first.at)  # first.at: the arrival here
+                            took = now - sent
+                            if after_prefill:  # the decode worker's share: its KV wait, then its first step
+                                kv = min(took, kv_load_s)
+                                timing.add("kv_transfer", kv)
+                                timing.add("decode_first_step", took - kv)
+                            else:  # the one worker's prefill (and first step)
+                                timing.add("prefill", took)
+                            self._first_token(timing, now)
                         else:
                             gap = (now - last) / len(delta.token_ids)
                             for _ in delta.token_ids:

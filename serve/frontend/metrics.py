@@ -33,6 +33,10 @@ class FrontendMetrics:
         self.ttft = Histogram("pdserve_frontend_time_to_first_token_seconds",
                               "Time to first token, from the request's arrival at the frontend (every path)",
                               buckets=LATENCY_BUCKETS, registry=r)
+        self.stages = Histogram("pdserve_frontend_stage_seconds",
+                                "Time to first token by stage (serve/frontend/timing.py: queue, tokenize, route, "
+                                "prefill, kv_transfer, decode_first_step, other; a request's stages add up to its TTFT)",
+                                ["stage"], buckets=(0.0001, 0.0005, 0.001, 0.0025, *LATENCY_BUCKETS), registry=r)
         self.itl = Histogram("pdserve_frontend_inter_token_latency_seconds", "Time between output tokens",
                              buckets=ITL_BUCKETS, registry=r)
         self.duration = Histogram("pdserve_frontend_request_duration_seconds",

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
+import msgspec
 from fastapi import Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
@@ -29,6 +30,8 @@ from serve.frontend import responses as r
 from serve.frontend.admission import Overloaded, Ticket
 from serve.frontend.errors import APIError, bad_request, error_response, sse_error
 from serve.frontend.generate import TextEvent
+from serve.frontend.timing import HEADER as TIMING_HEADER
+from serve.frontend.timing import RequestTiming
 from serve.http import DisconnectAwareStreamingResponse, cancel_on_disconnect
 
 if TYPE_CHECKING:
@@ -140,6 +143,7 @@ class OpenAIApi:
         s = fe.settings
         stream = False
         deadline = received + s.request_timeout_s
+        timing = RequestTiming(received)
         try:
             body = await read_json(request, s.max_body_bytes)
             req = oai.parse(oai.ChatCompletionRequest if kind == "chat" else oai.CompletionRequest, body)
@@ -148,13 +152,17 @@ class OpenAIApi:
             if req.model != s.served_model_name:
                 raise APIError(404, f"The model `{req.model}` does not exist.", "NotFoundError", "model",
                                "model_not_found")
+            timing.start("tokenize")
             prompt_ids = self.prompt_ids(req, kind)
+            timing.stop("tokenize")
             limit = fe.pool.max_model_len()
             if limit is None or not fe.pool.available():
                 raise NoWorkerAvailable("no worker available")
             sampling = preprocess.sampling_options(req, len(prompt_ids), limit, fe.pool.seeds_supported())
             try:
+                timing.start("queue")
                 await ticket.wait(min(deadline, time.monotonic() + s.queue_timeout_s))
+                timing.stop("queue")
             except TimeoutError:
                 fe.metrics.rejected.labels("queue_timeout").inc()
                 raise APIError(504, "the request timed out waiting for a free slot (the server is at capacity)",
@@ -166,11 +174,13 @@ class OpenAIApi:
             self._count(endpoint, stream, 503)
             return error_response(unavailable(exc, s.retry_after_s))
         request_id = request.headers.get("x-request-id") or f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        events = fe.generation.run(request_id, prompt_ids, sampling, req.stop, deadline, received)
+        events = fe.generation.run(request_id, prompt_ids, sampling, req.stop, deadline, received, timing)
         headers = {"x-request-id": request_id}
+        show_timing = request.headers.get(TIMING_HEADER, "").strip() == "1"
         if stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body_iter = self._sse(kind, request_id, events, include_usage, endpoint, received)
+            body_iter = self._sse(kind, request_id, events, include_usage, endpoint, received,
+                                  timing if show_timing else None)
             return DisconnectAwareStreamingResponse(body_iter, media_type="text/event-stream",
                                                     headers={**SSE_HEADERS, **headers}, on_close=ticket.release)
         result = await cancel_on_disconnect(request, self._collect(kind, request_id, events, endpoint, received))
@@ -179,6 +189,8 @@ class OpenAIApi:
             return Response(status_code=499)
         if isinstance(result, APIError):
             return error_response(result)
+        if show_timing:
+            headers[TIMING_HEADER] = msgspec.json.encode(timing.to_dict()).decode()
         return Response(r.encode(result), media_type=JSON, headers=headers)
 
     def _failure(self, exc: Exception) -> APIError:
@@ -233,9 +245,11 @@ class OpenAIApi:
                             usage)
 
     async def _sse(self, kind: str, request_id: str, events: AsyncIterator[TextEvent], include_usage: bool,
-                   endpoint: str, t0: float) -> AsyncIterator[bytes]:
+                   endpoint: str, t0: float, timing: RequestTiming | None = None) -> AsyncIterator[bytes]:
         """The SSE body. As vLLM's server does, nothing is sent before the first token: a
-        chat's role chunk goes out with it, so a client's TTFT is the first chunk's arrival."""
+        chat's role chunk goes out with it, so a client's TTFT is the first chunk's arrival.
+        With `timing` (the client sent X-PDSERVE-Timing: 1), the last chunk before [DONE]
+        carries the stage breakdown as `pdserve_timing`."""
         fe = self.fe
         out = r.ChunkWriter(kind, request_id, fe.settings.served_model_name, include_usage)
         fe.metrics.inflight.inc()
@@ -248,9 +262,12 @@ class OpenAIApi:
                     yield out.role()
                 last = ev
                 if ev.text or ev.finish_reason:
-                    yield out.text(ev.text, ev.finish_reason)
+                    final = ev.finish_reason is not None and not include_usage
+                    yield out.text(ev.text, ev.finish_reason,
+                                   timing.to_dict() if final and timing is not None else msgspec.UNSET)
             if include_usage and last is not None:
-                yield out.usage(r.Usage.of(last.prompt_tokens, last.completion_tokens, last.cached_tokens))
+                yield out.usage(r.Usage.of(last.prompt_tokens, last.completion_tokens, last.cached_tokens),
+                                timing.to_dict() if timing is not None else msgspec.UNSET)
             yield r.DONE
         except (asyncio.CancelledError, GeneratorExit):
             status = 499

@@ -8,7 +8,7 @@ each chunk when `stream_options.include_usage` asks for a final usage chunk.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -86,6 +86,9 @@ class ChunkBase(msgspec.Struct, frozen=True, kw_only=True):
     object: str
     created: int
     model: str
+    # The stage breakdown (serve.frontend.timing) on a stream's last chunk, when the client
+    # sent X-PDSERVE-Timing: 1; absent otherwise.
+    pdserve_timing: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatCompletionChunk(ChunkBase, frozen=True, kw_only=True):
@@ -148,20 +151,23 @@ class ChunkWriter:
     def role(self) -> bytes:
         return self._chat(Delta(role="assistant", content=""), None)
 
-    def text(self, text: str | None, finish_reason: str | None) -> bytes:
+    def text(self, text: str | None, finish_reason: str | None,
+             timing: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
         if self.kind == "chat":
-            return self._chat(Delta(content=text) if text else Delta(), finish_reason)
+            return self._chat(Delta(content=text) if text else Delta(), finish_reason, timing)
         return sse(CompletionChunk(id=self.id, object=self.object, created=self.created, model=self.model,
                                    choices=[CompletionChoice(text=text or "", finish_reason=finish_reason)],
-                                   usage=self._usage))
+                                   usage=self._usage, pdserve_timing=timing))
 
-    def usage(self, usage: Usage) -> bytes:
-        return sse(UsageChunk(id=self.id, object=self.object, created=self.created, model=self.model, usage=usage))
+    def usage(self, usage: Usage, timing: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
+        return sse(UsageChunk(id=self.id, object=self.object, created=self.created, model=self.model, usage=usage,
+                              pdserve_timing=timing))
 
-    def _chat(self, delta: Delta, finish_reason: str | None) -> bytes:
+    def _chat(self, delta: Delta, finish_reason: str | None,
+              timing: dict[str, Any] | msgspec.UnsetType = msgspec.UNSET) -> bytes:
         return sse(ChatCompletionChunk(id=self.id, object=self.object, created=self.created, model=self.model,
                                        choices=[ChatChunkChoice(delta=delta, finish_reason=finish_reason)],
-                                       usage=self._usage))
+                                       usage=self._usage, pdserve_timing=timing))
 
 
 def final_body(kind: str, request_id: str, model: str, text: str, finish_reason: str | None,

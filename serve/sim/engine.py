@@ -69,6 +69,7 @@ class SimRequest:
     # are an unsplit one's; `remote_tokens` is how many prompt tokens the remote KV covers.
     offset: int = 0
     remote_tokens: int | None = None
+    kv_load_s: float | None = None  # how long it waited for its remote KV (reported on its first line)
 
     @property
     def context(self) -> list[int]:
@@ -151,6 +152,7 @@ class SimEngine:
         if not req.loading or req.finished:
             return
         req.loading = False
+        req.kv_load_s = self.clock() - req.arrival
         if ok:
             try:
                 cached = self.table.allocate(req.request_id, req.prompt)
@@ -296,7 +298,8 @@ class SimEngine:
         req.deltas.put_nowait(p.TokenDelta(
             token_ids=[tok], finished=reason is not None, finish_reason=reason,
             num_prompt_tokens=len(req.prompt) if first else None,
-            num_cached_tokens=(req.cached + req.external) if (first or reason) else None, kv_transfer=params))
+            num_cached_tokens=(req.cached + req.external) if (first or reason) else None, kv_transfer=params,
+            kv_load_s=req.kv_load_s if first else None))
 
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)

@@ -18,6 +18,16 @@ def _finish_reason(reason: str | None) -> p.FinishReason:
     return "stop"
 
 
+def _kv_wait(out: Any) -> float | None:
+    """A decode request's wait in the engine from queued to first scheduled: its KV load (and
+    any queueing before it), from vLLM's per-request stats where it keeps them."""
+    m = getattr(out, "metrics", None)
+    queued, scheduled = getattr(m, "queued_ts", 0.0), getattr(m, "scheduled_ts", 0.0)
+    if not queued or not scheduled:
+        return None
+    return max(0.0, scheduled - queued)
+
+
 class VllmBackend:
     name = "vllm"
 
@@ -75,6 +85,7 @@ class VllmBackend:
                 num_prompt_tokens=len(req.prompt_token_ids) if first else None,
                 num_cached_tokens=out.num_cached_tokens if (first or out.finished) else None,
                 kv_transfer=from_vllm_params(out.kv_transfer_params) if out.finished else None,
+                kv_load_s=_kv_wait(out) if first and req.kv_transfer is not None else None,
             )
             first = False
 

@@ -43,21 +43,25 @@ def test_workers_ask_for_vec_unless_the_environment_says_otherwise(monkeypatch):
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("env, amx_allowed", [("vec", False), ("auto", True)])
-def test_vllm_uses_the_kernel_asked_for(env, amx_allowed):
-    # In a fresh process, as vLLM's engine core would: the plugin wraps vLLM's own chooser.
+def test_vllm_uses_the_kernel_asked_for():
+    # In a fresh process, as vLLM's engine core would: "auto" leaves vLLM's chooser alone,
+    # "vec" makes the plugin wrap it (once, however often it is loaded).
     code = textwrap.dedent(f"""
         import os
-        os.environ["{cpu_attention.ENV}"] = "{env}"
         import torch
         from serve import cpu_attention
         from vllm.v1.attention.backends import cpu_attn
-        vllm_pick = cpu_attn._get_attn_isa(torch.bfloat16, 128, 64)
+        picks = [cpu_attn._get_attn_isa(torch.bfloat16, 128, 64)]
+        os.environ["{cpu_attention.ENV}"] = "auto"
         cpu_attention.register()
-        cpu_attention.register()  # idempotent: wraps once
-        print(vllm_pick, cpu_attn._get_attn_isa(torch.bfloat16, 128, 64), torch.cpu._is_amx_tile_supported())
+        picks.append(cpu_attn._get_attn_isa(torch.bfloat16, 128, 64))
+        os.environ["{cpu_attention.ENV}"] = "vec"
+        cpu_attention.register()
+        cpu_attention.register()
+        picks.append(cpu_attn._get_attn_isa(torch.bfloat16, 128, 64))
+        print(*picks, torch.cpu._is_amx_tile_supported(), getattr(cpu_attn._get_attn_isa, "pdserve_wrapped", False))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    vllm_pick, used, amx = out.stdout.split()[-3:]
+    vllm_pick, auto, vec, amx, wrapped = out.stdout.split()[-5:]
     assert vllm_pick == ("amx" if amx == "True" else "vec")
-    assert used == (vllm_pick if amx_allowed else "vec")
+    assert (auto, vec, wrapped) == (vllm_pick, "vec", "True")

@@ -129,12 +129,14 @@ def test_clients_that_disconnect_leave_no_blocks_behind(cluster):
         except httpx.HTTPError as exc:
             errors.append(repr(exc))
 
-    def hang_up_during_prefill(client: httpx.Client) -> None:
+    def hang_up_during_prefill(k: int, client: httpx.Client) -> None:
         # The response's headers come at once and its first chunk with the first token, so a
         # client that leaves before that token is one that stops waiting: ~2500 prompt tokens
-        # keep the prefill busy well past a 0.3 s read timeout.
+        # no prefix cache holds (LONG itself is cached by now) keep the prefill busy well past
+        # a 0.3 s read timeout.
+        messages = [{"role": "user", "content": f"Variant {k}. {LONG[0]['content']}"}]
         try:
-            with client.stream("POST", f"{cluster.frontend}/v1/chat/completions", json={**body, "messages": LONG},
+            with client.stream("POST", f"{cluster.frontend}/v1/chat/completions", json={**body, "messages": messages},
                                timeout=httpx.Timeout(60, read=0.3)) as r:
                 for _ in r.iter_lines():
                     break
@@ -146,7 +148,7 @@ def test_clients_that_disconnect_leave_no_blocks_behind(cluster):
     def worker(k: int) -> None:
         with httpx.Client() as client:
             if k < 4:
-                hang_up_during_prefill(client)
+                hang_up_during_prefill(k, client)
             for i in range(k, 500, CLIENTS):
                 one(i, client)
 

@@ -100,3 +100,40 @@ def test_latency_buckets_read_a_p90_to_within_10_percent_around_common_targets()
         inside = [b for b in buckets if lo <= b <= hi]
         assert inside[0] == lo and next(b for b in buckets if b > hi) / inside[-1] <= 1.1
         assert max(b / a for a, b in zip(inside, inside[1:])) <= 1.1, buckets
+
+
+PATHS = [(["agg"], "prefill", {"queue", "tokenize", "route", "prefill", "other"}),
+         (["prefill", "decode"], "prefill", {"queue", "tokenize", "route", "prefill", "other"}),
+         (["prefill", "decode"], "decode",
+          {"queue", "tokenize", "route", "prefill", "kv_transfer", "decode_first_step", "other"})]
+
+
+@pytest.mark.parametrize("roles,first_from,stages", PATHS, ids=["agg", "disagg", "disagg-first-token-from-decode"])
+def test_stages_add_up_to_the_ttft_and_come_back_on_request(model_dir, roles, first_from, stages):
+    with ThreadedSimCluster(model_dir, roles, engine_flags=FLAGS, frontend={"first_token_from": first_from}) as c:
+        body = {"model": MODEL, "messages": FRANCE, "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+        plain = httpx.post(f"{c.url}/v1/chat/completions", json=body, timeout=60)
+        assert "x-pdserve-timing" not in plain.headers  # only on request
+        n0 = metric_value(httpx.get(f"{c.url}/metrics").text, "pdserve_frontend_stage_seconds_count",
+                          {"stage": "prefill"})
+        r = httpx.post(f"{c.url}/v1/chat/completions", json=body, timeout=60, headers={"X-PDSERVE-Timing": "1"})
+        assert r.status_code == 200, r.text
+        unary = json.loads(r.headers["x-pdserve-timing"])
+        with httpx.stream("POST", f"{c.url}/v1/chat/completions", timeout=60, headers={"X-PDSERVE-Timing": "1"},
+                          json={**body, "stream": True, "stream_options": {"include_usage": True}}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert "pdserve_timing" not in chunks[0] and chunks[-1]["usage"]  # the last chunk carries it
+        streamed = chunks[-1]["pdserve_timing"]
+        for t in (unary, streamed):
+            assert t["path"] == ("agg" if roles == ["agg"] else "disagg")
+            assert set(t["stages_ms"]) == stages, t
+            assert all(v >= 0 for v in t["stages_ms"].values())
+            assert abs(sum(t["stages_ms"].values()) - t["ttft_ms"]) <= 5.0, t
+            # The engine's steps sit in the stage that ran them.
+            first_steps = t["stages_ms"]["decode_first_step"] if first_from == "decode" else t["stages_ms"]["prefill"]
+            assert first_steps >= STEP_S * 1e3, t
+            if first_from == "decode":  # the prefill ran its own step before that
+                assert t["stages_ms"]["prefill"] >= STEP_S * 1e3, t
+        n1 = metric_value(httpx.get(f"{c.url}/metrics").text, "pdserve_frontend_stage_seconds_count",
+                          {"stage": "prefill"})
+        assert n1 - n0 == 2
