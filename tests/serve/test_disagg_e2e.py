@@ -10,6 +10,9 @@ faults: test_faults.py.)
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import httpx
 import pytest
 
@@ -109,3 +112,44 @@ def test_real_kv_events_reach_the_routers_index(disagg):
     assert ex["prefill"]["chosen"] == disagg.urls["prefill"] and ex["prefill"]["cached_ratio"] > 0
     _, usage = chat(furl, follow, max_tokens=4)
     assert usage["prompt_tokens_details"]["cached_tokens"] >= 128  # whole CPU blocks of 128 tokens
+
+
+# The suite keeps four of them (the Romeo and Juliet prompt first); `pdserve bench first-token`
+# and `python -m bench.perf.near_ties` cover more.
+NEAR_TIES = json.loads((Path(__file__).parent / "data" / "near_ties.json").read_text())["prompts"][:4]
+
+
+def completion_ids(url: str, prompt_ids: list[int], max_tokens: int = 32) -> str:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt_ids, "temperature": 0, "max_tokens": max_tokens, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def test_split_answers_equal_unsplit_ones_at_near_ties_and_block_edges(disagg, frontend, agg_worker, tokenizer):
+    """Greedy, 32 tokens each, the same (empty) prefix cache on the engine that computes the
+    prompt: prompts whose answers pass through exact bf16 ties (tests/serve/data/near_ties.json,
+    made by `python -m bench.perf.near_ties`, the issue's Romeo and Juliet prompt first), and
+    prompts of 1 token and at the 128-token block edge."""
+    def fresh() -> None:
+        for url in (agg_worker, disagg.urls["prefill"], disagg.urls["decode1"]):
+            assert httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code == 200
+
+    d0 = metrics(disagg.urls["decode1"])
+    for case in NEAR_TIES:
+        fresh()
+        want, _ = chat(frontend, case["messages"], max_tokens=32, ignore_eos=True)
+        fresh()
+        got, _ = chat(disagg.frontend, case["messages"], max_tokens=32, ignore_eos=True)
+        assert got == want, case["messages"][0]["content"][:60]
+    words = tokenizer.encode(" ".join(f"word{i}" for i in range(300)), add_special_tokens=False)
+    lengths = (1, 128, 129)  # one token; a whole block; one past it
+    for n in lengths:
+        fresh()
+        want = completion_ids(frontend, words[:n])
+        fresh()
+        assert completion_ids(disagg.frontend, words[:n]) == want, n
+    d1 = metrics(disagg.urls["decode1"])
+    recomputed = "pdserve_kv_decode_recomputed_prompt_tokens_total"
+    assert metric(d1, recomputed) - metric(d0, recomputed) == 0
+    assert metric(d1, "pdserve_kv_reads_total") - metric(d0, "pdserve_kv_reads_total") == len(NEAR_TIES) + len(lengths)
