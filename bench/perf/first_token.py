@@ -6,7 +6,7 @@ One run, real engines by default (`--engine sim` for simulated ones, labelled so
    streams the prefill's token (`--first-token-from prefill`), and beside it a second
    frontend on the same two workers with `--first-token-from decode` (the old path).
 At each ISL (default 256, 1000, 4000) `pdserve bench profile` runs the same seeded synthetic
-prompts at concurrency 1 (greedy, streaming, `ignore_eos`, OSL 32): on the aggregated stack,
+prompts, every run from empty prefix caches on every worker, at concurrency 1 (greedy, streaming, `ignore_eos`, OSL 32): on the aggregated stack,
 then new, old, old, new on the disaggregated one (so a drift of the machine falls on both
 paths alike), then at `--concurrency-high` (default 4) new and old once each.
 
@@ -29,8 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from bench.perf.errors import PerfError
 from bench.perf.servers import Servers, free_port, pdserve, url_of
+from serve.auth import token_headers
 
 MODEL = "smollm2-135m-instruct"
 
@@ -52,8 +55,20 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--out", default="artifacts/bench_first_token", help="output folder")
 
 
-def _profile(url: str, tokenizer: str, out: Path, isl: int, osl: int, n: int, concurrency: int) -> dict[str, Any]:
-    """One `pdserve bench profile` run: its p50s, throughput and answers by request."""
+def _fresh(workers: list[str], token: str) -> None:
+    """Empty every worker's prefix cache: each run starts from the same cache state (the runs
+    send the same seeded prompts, which a warm cache would serve without computing)."""
+    for url in workers:
+        r = httpx.post(f"{url}/reset_prefix_cache", headers=token_headers(token), timeout=60)
+        if r.status_code != 200:
+            raise PerfError(f"{url}/reset_prefix_cache: HTTP {r.status_code} {r.text[:200]}")
+
+
+def _profile(url: str, tokenizer: str, out: Path, isl: int, osl: int, n: int, concurrency: int,
+             workers: list[str], token: str) -> dict[str, Any]:
+    """One `pdserve bench profile` run from empty prefix caches: its p50s, throughput and
+    answers by request."""
+    _fresh(workers, token)
     from bench.loadgen.config import add_profile_arguments, config_from_args
     from bench.loadgen.export import write_artifacts
     from bench.loadgen.profile import run as run_profile
@@ -105,12 +120,14 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[int, dict[str, Any]] = {}
     t0 = time.monotonic()
     # One cluster token for the stack and the second frontend on its workers.
-    env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": os.environ.get("PDSERVE_CLUSTER_TOKEN") or secrets.token_hex(16)}
+    token = os.environ.get("PDSERVE_CLUSTER_TOKEN") or secrets.token_hex(16)
+    env = {**os.environ, "PDSERVE_CLUSTER_TOKEN": token}
     with Servers(log) as servers:
-        port = free_port()
-        _up(servers, args, model, "agg", port, free_port(), env)
+        port, wport = free_port(), free_port()
+        _up(servers, args, model, "agg", port, wport, env)
         for isl in args.isl:
-            rows[isl] = {"agg": _profile(url_of(port), model, out / f"agg-{isl}", isl, args.osl, args.requests, 1)}
+            rows[isl] = {"agg": _profile(url_of(port), model, out / f"agg-{isl}", isl, args.osl, args.requests, 1,
+                                         [url_of(wport)], token)}
     with Servers(log) as servers:
         port, wport = free_port(), free_port()
         _up(servers, args, model, "disagg", port, wport, env)
@@ -120,10 +137,12 @@ def run(args: argparse.Namespace) -> int:
             "--worker", url_of(wport), "--worker", url_of(wport + 1), "--first-token-from", "decode"),
             f"{url_of(old_port)}/health", env=env, timeout=300)
         new, old = url_of(port), url_of(old_port)
+        workers = [url_of(wport), url_of(wport + 1)]
         for isl in args.isl:
             runs: dict[str, list[dict[str, Any]]] = {"new": [], "old": []}
             for i, (name, url) in enumerate((("new", new), ("old", old), ("old", old), ("new", new))):
-                runs[name].append(_profile(url, model, out / f"{name}-{isl}-{i}", isl, args.osl, args.requests, 1))
+                runs[name].append(_profile(url, model, out / f"{name}-{isl}-{i}", isl, args.osl, args.requests, 1,
+                                           workers, token))
             row = rows[isl]
             agg = row["agg"]
             for name in ("new", "old"):
@@ -134,7 +153,8 @@ def run(args: argparse.Namespace) -> int:
             row["ttft_new_vs_old"] = row["new"]["ttft_p50_ms"] / row["old"]["ttft_p50_ms"]
             if args.concurrency_high:
                 c = args.concurrency_high
-                hi = {name: _profile(url, model, out / f"{name}-{isl}-c{c}", isl, args.osl, args.requests * 2, c)
+                hi = {name: _profile(url, model, out / f"{name}-{isl}-c{c}", isl, args.osl, args.requests * 2, c,
+                                     workers, token)
                       for name, url in (("new", new), ("old", old))}
                 row[f"c{c}"] = {name: {k: v for k, v in r.items() if k != "answers"} for name, r in hi.items()}
             agg.pop("answers")
