@@ -51,6 +51,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
                    help="the second load level, new vs old path (default: 4; 0 skips it)")
     s.add_argument("--sim-step-model", default="linear:0.01:0.0001:0.00005",
                    help="--engine sim: the workers' step model (default: linear:0.01:0.0001:0.00005)")
+    s.add_argument("--kv-cache-dtype", default=None,
+                   help="KV cache dtype of every worker, aggregated ones too (e.g. fp8; default: the model's)")
     s.add_argument("--model", default=None, help="model directory (default: the embedded model)")
     s.add_argument("--out", default="artifacts/bench_first_token", help="output folder")
 
@@ -98,6 +100,8 @@ def _up(servers: Servers, args: argparse.Namespace, model: str, mode: str, port:
                   "--served-model-name", MODEL, "--mode", mode, "--max-num-seqs", "8", "--ready-timeout", "600")
     if args.engine == "sim":
         cmd += ["--engine", "sim", "--sim-step-model", args.sim_step_model]
+    if args.kv_cache_dtype:
+        cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     servers.serve(f"up-{mode}", cmd, f"{url_of(port)}/health", env=env, timeout=900)
 
 
@@ -158,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
                       for name, url in (("new", new), ("old", old))}
                 row[f"c{c}"] = {name: {k: v for k, v in r.items() if k != "answers"} for name, r in hi.items()}
             agg.pop("answers")
-    doc = {"engine": args.engine, "simulated": args.engine == "sim", "osl": args.osl, "requests": args.requests,
+    doc = {"engine": args.engine, "simulated": args.engine == "sim", "kv_cache_dtype": args.kv_cache_dtype or "auto",
+           "osl": args.osl, "requests": args.requests,
            "seconds": round(time.monotonic() - t0, 1), "by_isl": rows}
     (out / "bench_first_token.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(table(doc))
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
 
 def table(doc: dict[str, Any]) -> str:
     lines = [f"first token from the prefill ({'SIMULATED workers' if doc['simulated'] else 'vLLM engines'}), "
-             f"concurrency 1, OSL {doc['osl']}",
+             f"KV {doc['kv_cache_dtype']}, concurrency 1, OSL {doc['osl']}",
              "| ISL | agg TTFT p50 ms | new TTFT | old TTFT | new/agg | old/agg | TTST new/agg | TTST old/agg "
              "| same answers new | old |",
              "|---|---|---|---|---|---|---|---|---|---|"]

@@ -66,6 +66,15 @@ class RealCluster:
         """The decode workers still running."""
         return [n for n in ("decode1", "decode2") if n in self.procs and self.procs[n].popen.poll() is None]
 
+    def reset_prefix_caches(self, *names: str) -> None:
+        """Empty the prefix caches of the named workers (default: all running ones). Answers
+        compared across tests must start from the same cache state: a prompt prefilled
+        whole and one prefilled past a cached prefix get bf16 logits apart by up to ~0.07 here,
+        enough to flip a greedy token at a near-tie."""
+        for n in names or [n for n in self.urls if self.procs[n].popen.poll() is None]:
+            r = httpx.post(f"{self.urls[n]}/reset_prefix_cache", timeout=30)
+            assert r.status_code == 200, (n, r.status_code, r.text)
+
     def kill(self, name: str) -> None:
         self.procs[name].stop(sig=signal.SIGKILL)
 
