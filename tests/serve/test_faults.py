@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -130,26 +131,25 @@ def test_clients_that_disconnect_leave_no_blocks_behind(cluster):
         except httpx.HTTPError as exc:
             errors.append(repr(exc))
 
-    def hang_up_during_prefill(k: int, client: httpx.Client) -> None:
-        # The response's headers come at once and its first chunk with the first token, so a
-        # client that leaves before that token is one that stops waiting: ~2500 prompt tokens
-        # no prefix cache holds (LONG itself is cached by now) keep the prefill busy well past
-        # a 0.3 s read timeout.
-        messages = [{"role": "user", "content": f"Variant {k}. {LONG[0]['content']}"}]
-        try:
-            with client.stream("POST", f"{cluster.frontend}/v1/chat/completions", json={**body, "messages": messages},
-                               timeout=httpx.Timeout(60, read=0.3)) as r:
-                for _ in r.iter_lines():
-                    break
-        except httpx.ReadTimeout:
-            pass
-        except httpx.HTTPError as exc:
-            errors.append(repr(exc))
+    def hang_up_during_prefill(k: int) -> None:
+        # A client that leaves while its prefill runs: the request goes out on a plain socket,
+        # which is closed once the prefill worker is busy with it (~2500 prompt tokens no
+        # prefix cache holds: LONG itself is cached by now).
+        payload = json.dumps({**body, "messages": [{"role": "user", "content": f"Variant {k}. {LONG[0]['content']}"}]})
+        host, port = cluster.frontend.removeprefix("http://").rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall((f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                          f"Content-Length: {len(payload.encode())}\r\n\r\n{payload}").encode())
+            wait_for(lambda: metric(metrics(cluster.urls["prefill"]), "pdserve_worker_active_requests",
+                                    role="prefill") >= 1, 30, "the prefill worker busy with it", interval=0.02)
+        wait_for(lambda: metric(metrics(cluster.urls["prefill"]), "pdserve_worker_active_requests",
+                                role="prefill") == 0, 30, "the prefill worker done with it")
+
+    for k in range(2):
+        hang_up_during_prefill(k)
 
     def worker(k: int) -> None:
         with httpx.Client() as client:
-            if k < 4:
-                hang_up_during_prefill(k, client)
             for i in range(k, 500, CLIENTS):
                 one(i, client)
 
