@@ -59,11 +59,20 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
 
 def _fresh(workers: list[str], token: str) -> None:
     """Empty every worker's prefix cache: each run starts from the same cache state (the runs
-    send the same seeded prompts, which a warm cache would serve without computing)."""
+    send the same seeded prompts, which a warm cache would serve without computing). vLLM
+    answers `{"reset": false}` while blocks are in use (held for a decode, or a request
+    finishing), so ask again until it is done, for at most a minute."""
     for url in workers:
-        r = httpx.post(f"{url}/reset_prefix_cache", headers=token_headers(token), timeout=60)
-        if r.status_code != 200:
-            raise PerfError(f"{url}/reset_prefix_cache: HTTP {r.status_code} {r.text[:200]}")
+        deadline = time.monotonic() + 60
+        while True:
+            r = httpx.post(f"{url}/reset_prefix_cache", headers=token_headers(token), timeout=60)
+            if r.status_code != 200:
+                raise PerfError(f"{url}/reset_prefix_cache: HTTP {r.status_code} {r.text[:200]}")
+            if r.json().get("reset") is True:
+                break
+            if time.monotonic() > deadline:
+                raise PerfError(f"{url}: the prefix cache could not be reset in 60 s (blocks still in use)")
+            time.sleep(0.5)
 
 
 def _profile(url: str, tokenizer: str, out: Path, isl: int, osl: int, n: int, concurrency: int,

@@ -72,8 +72,7 @@ class RealCluster:
         whole and one prefilled past a cached prefix get bf16 logits apart by up to ~0.07 here,
         enough to flip a greedy token at a near-tie."""
         for n in names or [n for n in self.urls if self.procs[n].popen.poll() is None]:
-            r = httpx.post(f"{self.urls[n]}/reset_prefix_cache", timeout=30)
-            assert r.status_code == 200, (n, r.status_code, r.text)
+            reset_prefix_cache(self.urls[n])
 
     def kill(self, name: str) -> None:
         self.procs[name].stop(sig=signal.SIGKILL)
@@ -94,6 +93,17 @@ class RealCluster:
                 signal_group(p.popen, signal.SIGTERM)
         for p in reversed(list(self.procs.values())):
             p.stop()
+
+
+def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
+    """Empty a worker's prefix cache. vLLM refuses (`{"reset": false}`) while any block is in
+    use: a request still finishing, or blocks held for a decode until it reads them or their
+    lease ends; so ask until it is done."""
+    def done() -> bool:
+        r = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, (url, r.status_code, r.text)
+        return r.json()["reset"] is True
+    wait_for(done, timeout, f"{url}: prefix cache reset", interval=0.2)
 
 
 def _up(url: str) -> bool:

@@ -18,6 +18,7 @@ import pytest
 
 from serve.common import sse
 from tests.helpers.procs import MODEL
+from tests.helpers.realcluster import reset_prefix_cache
 from tests.helpers.workerclient import metric, metrics, wait_for
 
 pytestmark = pytest.mark.engine
@@ -133,7 +134,7 @@ def test_split_answers_equal_unsplit_ones_at_near_ties_and_block_edges(disagg, f
     prompts of 1 token and at the 128-token block edge."""
     def fresh() -> None:
         for url in (agg_worker, disagg.urls["prefill"], disagg.urls["decode1"]):
-            assert httpx.post(f"{url}/reset_prefix_cache", timeout=30).status_code == 200
+            reset_prefix_cache(url)
 
     d0 = metrics(disagg.urls["decode1"])
     for case in NEAR_TIES:
