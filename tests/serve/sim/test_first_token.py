@@ -34,6 +34,8 @@ CASES = [dict(max_tokens=12), dict(max_tokens=2), dict(max_tokens=1), dict(max_t
 async def answers(model_dir: str, roles: list[str], first_from: str = "prefill") -> tuple[list[dict], dict, dict]:
     async with SimCluster(model_dir, roles, frontend={"first_token_from": first_from}, worker=LEASE) as c:
         got = [await answer(c, p, **case) for p in PROMPTS for case in CASES]
+        if "prefill" in roles:
+            await settled(c, c.urls("prefill")[0], 0)  # every hold read or released, none left
         by_role = {role: await metrics(c, c.urls(role)[0]) for role in set(roles)}
         return got, by_role, await metrics(c, c.url)
 
@@ -64,14 +66,15 @@ def test_split_answers_equal_unsplit_ones_and_the_decode_recomputes_nothing(mode
 
 
 async def settled(c: SimCluster, url: str, held: int) -> dict:
-    """The worker's metrics once its KV stats show `held` requests held so far (they are
-    exported a moment after the engine's step)."""
+    """The worker's metrics once its KV stats show `held` requests held so far and no block
+    held now (the holder frees released blocks, and the stats are exported, a moment after the
+    release). Within 5 s, where the lease is 2 minutes: a release, not the lease."""
     for _ in range(100):
         m = await metrics(c, url)
-        if metric(m, "pdserve_kv_held_requests_total") >= held:
+        if metric(m, "pdserve_kv_held_requests_total") >= held and metric(m, "pdserve_kv_held_blocks") == 0:
             return m
         await asyncio.sleep(0.05)
-    raise AssertionError(f"{url}: fewer than {held} held requests reported")
+    raise AssertionError(f"{url}: {held} held requests not reported, or their blocks still held")
 
 
 def test_a_first_token_that_ends_the_request_releases_the_prefill_blocks_at_once(model_dir):
