@@ -9,7 +9,7 @@ token-identity test must include.
 It runs the embedded model in vLLM's offline engine with pdserve's CPU settings (eager, no
 chunked prefill, the "vec" attention kernel) over candidate chat prompts (the issue's Romeo
 and Juliet prompt first, then questions padded to several lengths), and writes
-`tests/serve/data/near_ties.json`: each prompt (as chat messages), its token count, the
+`tests/serve/data/near_ties.json` (below the current directory; `--out` elsewhere): each prompt (as chat messages), its token count, the
 positions of its near-ties and their gaps, and the engine settings used.
 """
 
@@ -20,7 +20,8 @@ import json
 import os
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parents[2] / "tests" / "serve" / "data" / "near_ties.json"
+# Relative to where it runs (the checkout's root): the test data the suite reads.
+OUT = Path("tests") / "serve" / "data" / "near_ties.json"
 
 ROMEO = ("Summarise the plot of Romeo and Juliet. "
          + "Please include the details of every scene, the names of the characters and what happens to them. " * 17)
