@@ -24,7 +24,9 @@ import io
 import json
 import os
 import secrets
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -126,6 +128,9 @@ def _agree(a: dict[str, str], b: dict[str, str]) -> str:
 def run(args: argparse.Namespace) -> int:
     from serve.model import resolve_model
 
+    # SIGTERM (a timeout, a supervisor) unwinds like Ctrl-C, so the stacks below are stopped:
+    # Python's default SIGTERM action would leave them running, each in its own group.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = resolve_model(args.model)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
