@@ -24,6 +24,9 @@ from tests.helpers.procs import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, ROOT, Pr
 # fit 2 cores, and that worker starts each session- and module-scoped engine once. Every
 # other module is a unit of its own, so a module-scoped server starts once, on one worker.
 # (xdist's own `--dist loadgroup` did not keep a group on one worker here: 3.8 split it.)
+# A module whose engine-marked tests need the engine stack but start no engine (a model
+# conversion, an import of vLLM) says so with a line `STARTS_NO_ENGINE = True`: it is a
+# unit of its own, off the engine unit's serial path.
 ENGINE_UNIT = "engine"
 TESTS = Path(__file__).resolve().parent
 
@@ -31,7 +34,10 @@ TESTS = Path(__file__).resolve().parent
 @functools.lru_cache(maxsize=None)
 def _engine_module(module: str) -> bool:
     path = TESTS.parent / module
-    return path.is_file() and "mark.engine" in path.read_text()
+    if not path.is_file():
+        return False
+    text = path.read_text()
+    return "mark.engine" in text and "\nSTARTS_NO_ENGINE = True" not in text
 
 
 def pytest_xdist_make_scheduler(config: pytest.Config, log):

@@ -213,8 +213,12 @@ class Launcher:
             worker_urls = self._start_sim(dial, frontend_url, common, counts, deadline)
         kv_gib = fit_kv_cache(self.s.kv_cache_gib, len(self.s.roles), available_memory_gib()) \
             if self.s.engine != "sim" else self.s.kv_cache_gib
-        # Prefill workers first, then decode (or agg) workers, each pinned to its own core.
-        for i, role in enumerate(self.s.roles if self.s.engine != "sim" else []):
+        # Prefill workers first, then decode (or agg) workers, each pinned to its own core. A
+        # wave of one worker per core loads at once (an engine start is mostly one core's
+        # imports), and the next wave starts when it is ready.
+        real = self.s.roles if self.s.engine != "sim" else []
+        wave: list[Child] = []
+        for i, role in enumerate(real):
             n = counts[role] = counts.get(role, -1) + 1
             port = self.s.worker_base_port + i
             url = f"http://{dial}:{port}"
@@ -225,8 +229,10 @@ class Launcher:
                     *self.s.role_args.get(role, [])]
             if self.s.advertise_host:
                 args += ["--advertise-host", self.s.advertise_host]
-            child = self._spawn(f"worker {role}-{n} ({url})", args, [f"{url}/health"])
-            self._wait_ready([child], deadline)
+            wave.append(self._spawn(f"worker {role}-{n} ({url})", args, [f"{url}/health"]))
+            if len(wave) == ncpu or i == len(real) - 1:
+                self._wait_ready(wave, deadline)
+                wave = []
         fd = self._frontend_sock.fileno()
         fargs = ["frontend", "--host", self.s.host, "--port", str(fe_port), "--listen-fd", str(fd), *common,
                  *self.s.frontend_args]

@@ -36,6 +36,7 @@ class RealCluster:
         self.tmp = tmp
         self.procs: dict[str, Proc] = {}
         self.urls: dict[str, str] = {}
+        self.ready: set[str] = set()  # started and answered /health since (wait_ready)
         port = free_port()
         self.frontend = f"http://127.0.0.1:{port}"
         self.procs["frontend"] = Proc("cluster-frontend", [
@@ -47,6 +48,7 @@ class RealCluster:
 
     def start(self, name: str, role: str, core: int, port: int | None = None) -> None:
         port = port or free_port()
+        self.ready.discard(name)
         self.urls[name] = f"http://127.0.0.1:{port}"
         self.procs[name] = Proc(f"cluster-{name}", [
             "worker", "--role", role, "--port", str(port), "--model", self.model_dir, "--served-model-name", MODEL,
@@ -57,33 +59,38 @@ class RealCluster:
     def wait_ready(self, *names: str) -> None:
         for n in names:
             self.procs[n].wait_http(f"{self.urls[n]}/health", ENGINE_READY_TIMEOUT_S)
+            self.ready.add(n)
         wait_for(lambda: set(self.in_rotation()) >= {self.urls[n] for n in names}, 30, f"{names} in rotation")
 
     def in_rotation(self) -> list[str]:
         return [w["url"] for w in httpx.get(f"{self.frontend}/internal/workers").json()["workers"] if w["in_rotation"]]
 
+    def running(self) -> list[str]:
+        """The workers that have been ready and are still running (one still loading is not)."""
+        return [n for n in self.urls if n in self.ready and self.procs[n].popen.poll() is None]
+
     def decoders(self) -> list[str]:
-        """The decode workers still running."""
-        return [n for n in ("decode1", "decode2") if n in self.procs and self.procs[n].popen.poll() is None]
+        """The decode workers that have been ready and are still running."""
+        return [n for n in ("decode1", "decode2") if n in self.running()]
 
     def reset_prefix_caches(self, *names: str) -> None:
         """Empty the prefix caches of the named workers (default: all running ones). Answers
         compared across tests must start from the same cache state: a prompt prefilled
         whole and one prefilled past a cached prefix get bf16 logits apart by up to ~0.07 here,
         enough to flip a greedy token at a near-tie."""
-        for n in names or [n for n in self.urls if self.procs[n].popen.poll() is None]:
+        for n in names or self.running():
             reset_prefix_cache(self.urls[n])
 
     def kill(self, name: str) -> None:
+        self.ready.discard(name)
         self.procs[name].stop(sig=signal.SIGKILL)
 
     def free_blocks(self) -> dict[str, tuple[int, int]]:
         """worker -> (active KV blocks, blocks held for remote decodes)."""
         out = {}
-        for n, url in self.urls.items():
-            if self.procs[n].popen.poll() is None:
-                load = httpx.get(f"{url}/load", timeout=10).json()
-                out[n] = (load["active_blocks"], metric(metrics(url), "pdserve_kv_held_blocks"))
+        for n in self.running():
+            load = httpx.get(f"{self.urls[n]}/load", timeout=10).json()
+            out[n] = (load["active_blocks"], metric(metrics(self.urls[n]), "pdserve_kv_held_blocks"))
         return out
 
     def stop(self) -> None:

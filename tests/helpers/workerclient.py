@@ -58,14 +58,16 @@ def metric(m: dict, name: str, **labels: str) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
+def wait_for(pred, timeout: float, what, interval: float = 0.2):
+    """`pred()`'s first true value, polled every `interval` for at most `timeout` seconds;
+    `what` (a string, or a function giving one when the wait fails) names what was awaited."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
         time.sleep(interval)
 
 

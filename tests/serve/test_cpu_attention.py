@@ -15,6 +15,9 @@ import pytest
 from serve import cpu_attention
 from serve.engine import cpu_environment
 
+# vLLM imported in a fresh process, no engine: a unit of its own (tests/conftest.py).
+STARTS_NO_ENGINE = True
+
 
 def test_plugin_is_registered_with_vllm():
     eps = entry_points(group="vllm.general_plugins")

@@ -8,6 +8,9 @@ import pytest
 from serve import model as m
 from serve.errors import ModelError
 
+# A conversion in this process (torch), no engine: a unit of its own (tests/conftest.py).
+STARTS_NO_ENGINE = True
+
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
