@@ -11,6 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtransfer.errors import SettingsError
 from kvtransfer.metrics import COUNTERS, TRANSFER_BUCKETS, KvMetrics, KvStats
 
+# Some tests import vLLM: this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_VLLM = True
+
 
 def sample(**kw) -> KvStats:
     base = dict(reads=2, blocks_read=10, bytes_read=4000, failures=1, lease_expiries=1, recomputes=1,

@@ -6,6 +6,9 @@ from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatc
 from router.hashing import block_hashes, chain
 from router.index import PrefixIndex
 
+# Some tests import vLLM: this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_VLLM = True
+
 BS = 4
 
 

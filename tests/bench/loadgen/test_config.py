@@ -99,8 +99,11 @@ def test_cli_reports_a_bad_flag_in_one_line(capsys):
     assert err == "pdserve bench profile: error: --concurrency must be > 0, got 0"
 
 
-def test_missing_tokenizer_stops_the_run(capsys):
+def test_missing_tokenizer_stops_the_run(capsys, monkeypatch):
     from serve.cli import main
+
+    # Offline, as this machine is (without it the same error comes after a 3 s connect timeout).
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     code = main(["bench", "profile", "-m", "no-such-org/no-such-model-xyz", "--ui-type", "none",
                  "--artifact-dir", "/tmp/pdserve-test-none"])

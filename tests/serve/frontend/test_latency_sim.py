@@ -24,7 +24,7 @@ from tests.helpers.procs import MODEL
 from tests.helpers.simthread import ThreadedSimCluster
 from tests.helpers.workerclient import wait_for
 
-STEP_S = 0.25
+STEP_S = 0.1
 FLAGS = ["--max-num-seqs", "8", "--block-size", "16", "--num-gpu-blocks", "512", "--sim-step-model",
          f"constant:{STEP_S}"]
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
