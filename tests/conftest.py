@@ -27,10 +27,11 @@ from tests.helpers.procs import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, ROOT, Pr
 # A module whose engine-marked tests need the engine stack but start no engine (a model
 # conversion, an import of vLLM) says so with a line `STARTS_NO_ENGINE = True`: it is a
 # unit of its own, off the engine unit's serial path.
-# Unit-test modules that import vLLM in the test process (3 s of CPU each time) say so with
-# `IMPORTS_VLLM = True`: they share one unit, so one worker pays for the import once.
+# Unit-test modules that import torch in the test process (vLLM, transformers' AutoTokenizer;
+# 3-5 s of CPU each time) say so with `IMPORTS_TORCH = True`: they share one unit, so one
+# worker pays for the import once.
 ENGINE_UNIT = "engine"
-VLLM_UNIT = "imports-vllm"
+TORCH_UNIT = "imports-torch"
 TESTS = Path(__file__).resolve().parent
 
 
@@ -40,13 +41,13 @@ def _unit_of(module: str) -> str:
     text = path.read_text() if path.is_file() else ""
     if "mark.engine" in text and "\nSTARTS_NO_ENGINE = True" not in text:
         return ENGINE_UNIT
-    return VLLM_UNIT if "\nIMPORTS_VLLM = True" in text else module
+    return TORCH_UNIT if "\nIMPORTS_TORCH = True" in text else module
 
 
 # Units handed out first, longest first (the engine unit, then the unit suite's longest
 # modules, measured): a long unit started last would leave the other workers idle at the end.
 # The rest follow in xdist's order (most tests first). A stale entry costs balance, nothing else.
-LONG_UNITS = (ENGINE_UNIT, VLLM_UNIT, "tests/bench/loadgen/test_profile_fake.py", "tests/bench/perf/test_first_token.py",
+LONG_UNITS = (ENGINE_UNIT, TORCH_UNIT, "tests/bench/loadgen/test_profile_fake.py", "tests/bench/perf/test_first_token.py",
               "tests/serve/sim/test_cluster.py", "tests/serve/sim/test_first_token.py",
               "tests/serve/frontend/test_openai_api.py", "tests/serve/frontend/test_latency_sim.py",
               "tests/serve/frontend/test_routing_sim.py", "tests/serve/frontend/test_fuzz_openai.py")

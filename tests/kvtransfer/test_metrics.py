@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvtransfer.errors import SettingsError
 from kvtransfer.metrics import COUNTERS, TRANSFER_BUCKETS, KvMetrics, KvStats
 
-# Some tests import vLLM: this module shares a unit with the others that do (tests/conftest.py).
-IMPORTS_VLLM = True
+# Some tests import torch (or vLLM): this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_TORCH = True
 
 
 def sample(**kw) -> KvStats:

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 
 from kvtransfer.protocol import TransferParams, from_vllm_params, remote_decode_request, to_vllm_params
 
-# Some tests import vLLM: this module shares a unit with the others that do (tests/conftest.py).
-IMPORTS_VLLM = True
+# Some tests import torch (or vLLM): this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_TORCH = True
 
 if TYPE_CHECKING:
     from kvtransfer.scheduler import PdScheduler

@@ -11,6 +11,9 @@ from typing import TYPE_CHECKING
 from kvtransfer import leases
 from kvtransfer.protocol import Release
 
+# Some tests import torch (or vLLM): this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_TORCH = True
+
 if TYPE_CHECKING:
     from kvtransfer.worker import PdWorker
 

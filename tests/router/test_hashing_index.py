@@ -6,8 +6,8 @@ from router.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatc
 from router.hashing import block_hashes, chain
 from router.index import PrefixIndex
 
-# Some tests import vLLM: this module shares a unit with the others that do (tests/conftest.py).
-IMPORTS_VLLM = True
+# Some tests import torch (or vLLM): this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_TORCH = True
 
 BS = 4
 

@@ -11,6 +11,9 @@ from pathlib import Path
 
 from serve.common.hf_tokenizer import direct_class, from_pretrained
 
+# Some tests import torch (or vLLM): this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_TORCH = True
+
 TEXTS = ["Hello world", "  leading spaces and trailing  ", "naïve café — 東京 🙂", "<|im_start|>user\nhi<|im_end|>",
          "def f(x):\n\treturn x ** 2\n", ""]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},

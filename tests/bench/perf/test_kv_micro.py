@@ -4,6 +4,9 @@ import json
 
 from bench.perf.kv import micro
 
+# Some tests import torch (or vLLM): this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_TORCH = True
+
 
 def test_micro_benchmark_writes_all_fields(tmp_path, monkeypatch):
     monkeypatch.setattr(micro, "BLOCK_SIZES", [64 << 10, 1 << 20])

@@ -8,6 +8,9 @@ from serve.sim.config import parse_sim_options
 from serve.sim.timing import ConstantStep, LinearStep, parse_step_model
 from serve.sim.tokens import Vocabulary, is_stop, request_key, token_at
 
+# Some tests import torch (or vLLM): this module shares a unit with the others that do (tests/conftest.py).
+IMPORTS_TORCH = True
+
 VOCAB = Vocabulary(tuple(range(100, 200)), eos_id=2, size=256)
 
 
