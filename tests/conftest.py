@@ -47,8 +47,9 @@ def _unit_of(module: str) -> str:
 # Units handed out first, longest first (the engine unit, then the unit suite's longest
 # modules, measured): a long unit started last would leave the other workers idle at the end.
 # The rest follow in xdist's order (most tests first). A stale entry costs balance, nothing else.
-LONG_UNITS = (ENGINE_UNIT, TORCH_UNIT, "tests/bench/loadgen/test_profile_fake.py", "tests/bench/perf/test_first_token.py",
-              "tests/serve/sim/test_cluster.py", "tests/serve/sim/test_first_token.py",
+LONG_UNITS = (ENGINE_UNIT, TORCH_UNIT, "tests/bench/loadgen/test_profile_fake.py",
+              "tests/bench/perf/test_first_token.py", "tests/serve/sim/test_cluster.py",
+              "tests/serve/sim/test_first_token.py",
               "tests/serve/frontend/test_openai_api.py", "tests/serve/frontend/test_latency_sim.py",
               "tests/serve/frontend/test_routing_sim.py", "tests/serve/frontend/test_fuzz_openai.py")
 
@@ -77,8 +78,8 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """One per core (at least 2, at most 8) when engines run: they need the cores. Without
     them (`-m "not engine"`) two per core: the unit suite waits more than it computes (timers,
-    child processes starting), so more workers than cores measured faster (69 s against 79 s
-    on 2 cores)."""
+    child processes starting), so more workers than cores measured faster (60-64 s against
+    77-80 s with one per core, on 2 cores)."""
     cores = len(os.sched_getaffinity(0))
     if "not engine" in (config.getoption("markexpr", "") or ""):
         return max(2, min(8, 2 * cores))
