@@ -32,7 +32,7 @@ import httpx
 
 from bench.perf.client import percentile, stream_chat
 from bench.perf.errors import PerfError
-from bench.perf.servers import Servers, free_port, pdserve, url_of
+from bench.perf.servers import Servers, free_port, pdserve, reset_prefix_cache, url_of
 
 MODEL = "smollm2-135m-instruct"
 # SESSIONS is odd so that round-robin over 2 prefill workers does not line up with sessions.
@@ -105,7 +105,7 @@ def routing(out: Path) -> dict:
             res = {}
             for name, url in (("kv", kv), ("round-robin", rr)):
                 for w in (p0, p1, d):
-                    httpx.post(f"{w}/reset_prefix_cache", timeout=30).raise_for_status()
+                    reset_prefix_cache(w)
                 res[name] = asyncio.run(multi_turn(url, name))
                 print(f"{name:12s} TTFT p50 {res[name]['ttft_p50_ms']:7.1f} ms, cached-token ratio "
                       f"{res[name]['cached_token_ratio']:.3f}", flush=True)

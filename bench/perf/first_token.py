@@ -35,10 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 
 from bench.perf.errors import PerfError
-from bench.perf.servers import Servers, free_port, pdserve, url_of
+from bench.perf.servers import Servers, free_port, pdserve, reset_prefix_cache, url_of
 from serve.auth import token_headers
 
 MODEL = "smollm2-135m-instruct"
@@ -65,20 +64,9 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
 
 def _fresh(workers: list[str], token: str) -> None:
     """Empty every worker's prefix cache: each run starts from the same cache state (the runs
-    send the same seeded prompts, which a warm cache would serve without computing). vLLM
-    answers `{"reset": false}` while blocks are in use (held for a decode, or a request
-    finishing), so ask again until it is done, for at most a minute."""
+    send the same seeded prompts, which a warm cache would serve without computing)."""
     for url in workers:
-        deadline = time.monotonic() + 60
-        while True:
-            r = httpx.post(f"{url}/reset_prefix_cache", headers=token_headers(token), timeout=60)
-            if r.status_code != 200:
-                raise PerfError(f"{url}/reset_prefix_cache: HTTP {r.status_code} {r.text[:200]}")
-            if r.json().get("reset") is True:
-                break
-            if time.monotonic() > deadline:
-                raise PerfError(f"{url}: the prefix cache could not be reset in 60 s (blocks still in use)")
-            time.sleep(0.5)
+        reset_prefix_cache(url, token_headers(token))
 
 
 def _profile(url: str, tokenizer: str, out: Path, isl: int, osl: int, n: int, concurrency: int,
@@ -190,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
                                        "same_answers_as_agg": _agree(base, agg_hi[isl][1]["answers"])}
             agg.pop("answers")
     doc = {"engine": args.engine, "simulated": args.engine == "sim", "kv_cache_dtype": args.kv_cache_dtype or "auto",
-           "osl": args.osl, "requests": args.requests,
+           "osl": args.osl, "requests": args.requests, "concurrency_high": args.concurrency_high,
            "seconds": round(time.monotonic() - t0, 1), "by_isl": rows}
     (out / "bench_first_token.json").write_text(json.dumps(doc, indent=2) + "\n")
     print(table(doc))
@@ -209,13 +197,14 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"| {isl} | {a['ttft_p50_ms']:.1f} | {n['ttft_p50_ms']:.1f} | {o['ttft_p50_ms']:.1f} | "
                      f"{n['ttft_vs_agg']:.3f} | {o['ttft_vs_agg']:.3f} | {n['ttst_vs_agg']:.3f} | "
                      f"{o['ttst_vs_agg']:.3f} | {n['same_answers_as_agg']} | {o['same_answers_as_agg']} |")
-    high = [(isl, k, row[k]) for isl, row in doc["by_isl"].items() for k in row if k.startswith("c")]
-    if high:
-        lines += ["", f"concurrency {high[0][1][1:]}: answers equal to the aggregated stack's first run "
+    c = doc.get("concurrency_high")
+    if c:
+        lines += ["", f"concurrency {c}: answers equal to the aggregated stack's first run "
                   "(agg: its second run, the baseline), TTFT p50 ms, output tokens/s",
                   "| ISL | agg vs agg | new | old | TTFT agg | new | old | tok/s agg | new | old |",
                   "|---|---|---|---|---|---|---|---|---|---|"]
-        for isl, _, h in high:
+        for isl, row in doc["by_isl"].items():
+            h = row[f"c{c}"]
             lines.append(f"| {isl} | {h['agg']['same_answers_as_agg']} | {h['new']['same_answers_as_agg']} | "
                          f"{h['old']['same_answers_as_agg']} | {h['agg']['ttft_p50_ms']:.1f} | "
                          f"{h['new']['ttft_p50_ms']:.1f} | {h['old']['ttft_p50_ms']:.1f} | "

@@ -10,8 +10,11 @@ log. Ports come from serve.listen.late_port (free now, bound seconds later by th
 from __future__ import annotations
 
 import sys
+import time
 from types import TracebackType
 from typing import IO
+
+import httpx
 
 from bench.perf.errors import PerfError
 from serve.common.procs import Child, ChildExited, stop_groups, wait_until_ready
@@ -26,6 +29,22 @@ def free_port() -> int:
 
 def url_of(port: int) -> str:
     return f"http://{HOST}:{port}"
+
+
+def reset_prefix_cache(url: str, headers: dict[str, str] | None = None, timeout: float = 60.0) -> None:
+    """Empty a worker's prefix cache, so a run starts from the same cache state. vLLM answers
+    `{"reset": false}` while blocks are in use (held for a decode, or a request finishing),
+    so ask again until it is done, for at most `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        r = httpx.post(f"{url}/reset_prefix_cache", headers=headers, timeout=timeout)
+        if r.status_code != 200:
+            raise PerfError(f"{url}/reset_prefix_cache: HTTP {r.status_code} {r.text[:200]}")
+        if r.json().get("reset") is True:
+            return
+        if time.monotonic() > deadline:
+            raise PerfError(f"{url}: the prefix cache could not be reset in {timeout:.0f} s (blocks still in use)")
+        time.sleep(0.5)
 
 
 def pdserve(*args: str) -> list[str]:

@@ -18,7 +18,7 @@ import httpx
 
 from serve.common.procs import signal_group
 from tests.helpers.procs import ENGINE_READY_TIMEOUT_S, MODEL, Proc, free_port
-from tests.helpers.workerclient import metric, metrics, wait_for
+from tests.helpers.workerclient import metric, metrics, reset_prefix_cache, wait_for
 
 # The prefill side's KV lease. The transfer-fault tests hold a decode worker before its READ
 # for up to a lease, and must see the hold within that window: polling /metrics of a busy
@@ -100,17 +100,6 @@ class RealCluster:
                 signal_group(p.popen, signal.SIGTERM)
         for p in reversed(list(self.procs.values())):
             p.stop()
-
-
-def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
-    """Empty a worker's prefix cache. vLLM refuses (`{"reset": false}`) while any block is in
-    use: a request still finishing, or blocks held for a decode until it reads them or their
-    lease ends; so ask until it is done."""
-    def done() -> bool:
-        r = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
-        assert r.status_code == 200, (url, r.status_code, r.text)
-        return r.json()["reset"] is True
-    wait_for(done, timeout, f"{url}: prefix cache reset", interval=0.2)
 
 
 def _up(url: str) -> bool:

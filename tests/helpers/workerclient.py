@@ -58,17 +58,27 @@ def metric(m: dict, name: str, **labels: str) -> float:
     return m.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def wait_for(pred, timeout: float, what, interval: float = 0.2):
-    """`pred()`'s first true value, polled every `interval` for at most `timeout` seconds;
-    `what` (a string, or a function giving one when the wait fails) names what was awaited."""
+def wait_for(pred, timeout: float, what: str, interval: float = 0.2):
+    """`pred()`'s first true value, polled every `interval` for at most `timeout` seconds."""
     deadline = time.monotonic() + timeout
     while True:
         value = pred()
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what() if callable(what) else what}")
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(interval)
+
+
+def reset_prefix_cache(url: str, timeout: float = 30.0) -> None:
+    """Empty a worker's prefix cache. vLLM refuses (`{"reset": false}`) while any block is in
+    use: a request still finishing, or blocks held for a decode until it reads them or their
+    lease ends; so ask until it is done."""
+    def done() -> bool:
+        r = httpx.post(f"{url}/reset_prefix_cache", timeout=30)
+        assert r.status_code == 200, (url, r.status_code, r.text)
+        return r.json()["reset"] is True
+    wait_for(done, timeout, f"{url}: prefix cache reset", interval=0.2)
 
 
 def stream_in_background(url: str, body: dict, headers: dict | None = None, started_after: int = 1):

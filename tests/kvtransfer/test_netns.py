@@ -12,11 +12,10 @@ import shutil
 import subprocess
 import uuid
 
-import httpx
 import pytest
 
 from tests.helpers.procs import MODEL, Proc
-from tests.helpers.workerclient import generate, metric, metrics
+from tests.helpers.workerclient import generate, metric, metrics, reset_prefix_cache
 
 pytestmark = [
     pytest.mark.engine,
@@ -85,7 +84,7 @@ def test_transfer_across_namespaces_over_tcp(namespaces, model_dir, tokenizer):
         m = metrics(durl)
         assert metric(m, "pdserve_kv_blocks_transferred_total") == 6
         assert metric(m, "pdserve_kv_recomputes_total") == 0
-        httpx.post(f"{durl}/reset_prefix_cache", timeout=30).raise_for_status()
+        reset_prefix_cache(durl)
         alone = generate(durl, ids, max_tokens=12)
         assert out.tokens == alone.tokens
         assert "transport=tcp" in d.log_path.read_text()

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.helpers.procs import MODEL, Proc, free_port
-from tests.helpers.workerclient import generate, metric, metrics, wait_for
+from tests.helpers.workerclient import generate, metric, metrics, reset_prefix_cache, wait_for
 
 pytestmark = pytest.mark.engine
 
@@ -137,7 +137,7 @@ def test_transfer_matches_engine_alone_and_moves_the_kv(pair, tokenizer):
     # The same engine running each request alone (cold prefix cache each time).
     differ = []
     for i, ids in enumerate(ps):
-        httpx.post(f"{durl}/reset_prefix_cache", timeout=30).raise_for_status()
+        reset_prefix_cache(durl)
         alone = generate(durl, ids, max_tokens=12, request_id=f"alone-{kind}-{i}")
         if via_transfer[i] != alone.tokens:
             differ.append((i, len(ids), via_transfer[i], alone.tokens))
@@ -156,9 +156,9 @@ def test_expired_lease_frees_blocks_and_decode_recomputes_correctly(pair, tokeni
     kind, purl, durl, _ = pair
     ids = prompts(tokenizer)[8]
     nblocks = math.ceil(len(ids) / BLOCK)
-    httpx.post(f"{durl}/reset_prefix_cache", timeout=30).raise_for_status()
+    reset_prefix_cache(durl)
     alone = generate(durl, ids, request_id=f"ref-exp-{kind}")
-    httpx.post(f"{durl}/reset_prefix_cache", timeout=30).raise_for_status()
+    reset_prefix_cache(durl)
     p0 = metrics(purl)
     pre = generate(purl, ids, max_tokens=1, remote_decode=True, request_id=f"exp-{kind}")
     wait_for(lambda: held_blocks(purl) == nblocks, 10, f"prefill side to hold {nblocks} blocks")

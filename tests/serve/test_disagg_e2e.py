@@ -18,8 +18,7 @@ import pytest
 
 from serve.common import sse
 from tests.helpers.procs import MODEL
-from tests.helpers.realcluster import reset_prefix_cache
-from tests.helpers.workerclient import metric, metrics, wait_for
+from tests.helpers.workerclient import metric, metrics, reset_prefix_cache, wait_for
 
 pytestmark = pytest.mark.engine
 
