@@ -48,9 +48,14 @@ def render(rows: list[dict[str, Any]], a_name: str, b_name: str) -> str:
     return "\n".join(lines)
 
 
+def _name(path: str, doc: dict[str, Any]) -> str:
+    return f"{path} (SIMULATED)" if doc.get("simulated") else path
+
+
 def run(a: str, b: str) -> int:
-    rows = compare(load_summary(Path(a)), load_summary(Path(b)))
-    print(render(rows, a, b))
+    da, db = load_summary(Path(a)), load_summary(Path(b))
+    rows = compare(da, db)
+    print(render(rows, _name(a, da), _name(b, db)))
     if not rows:
         print("no metric in common")
         return 1

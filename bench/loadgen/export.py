@@ -170,6 +170,9 @@ def export_json(result: ProfileResult, metrics: dict[str, Any]) -> dict[str, Any
         "start_time": datetime.fromtimestamp(result.start_wall_ns / 1e9).isoformat(),
         "end_time": datetime.fromtimestamp(result.end_wall_ns / 1e9).isoformat(),
     })
+    if result.simulation is not None:
+        doc["simulated"] = True  # `pdserve sim`: a modelled cluster, not a measured one
+        doc["simulation"] = result.simulation
     if result.warmup:
         warm = ProfileResult(result.cfg, result.warmup, [], result.start_wall_ns, result.end_wall_ns)
         doc["warmup_metrics"] = summary(warm)

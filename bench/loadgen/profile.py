@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
+from typing import Any
 from multiprocessing.connection import wait as mp_wait
 
 from bench.loadgen.config import ProfileConfig
@@ -41,6 +42,8 @@ class ProfileResult:
     workers: int = 1
     client_cpu_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # A run of `pdserve sim` (no server, no client): what was simulated (layout, step model, ...).
+    simulation: dict[str, Any] | None = None
 
 
 def auto_workers(cfg: ProfileConfig, n_sessions: int) -> int:

@@ -74,6 +74,14 @@ class UpSettings:
         u.add_argument("--sim-step-model", default=None, metavar="MODEL",
                        help="--engine sim: every simulated worker's step model, e.g. constant:0.02 (default: the "
                             "simulated worker's)")
+        u.add_argument("--sim-profile", default=None, metavar="FILE",
+                       help="--engine sim: step times from a pdserve.profile/1 file (`pdserve sim --write-profile`, "
+                            "`pdserve bench calibrate`)")
+        u.add_argument("--sim-speedup", type=float, default=None, metavar="X",
+                       help="--engine sim: divide modelled step and transfer times by X (leases, polls and "
+                            "timeouts stay in wall-clock time)")
+        u.add_argument("--sim-startup-s", type=float, default=None, metavar="S",
+                       help="--engine sim: each simulated engine's start-up delay")
         u.add_argument("--mode", choices=["agg", "disagg"], default="agg",
                        help="agg: --workers aggregated workers; disagg: --prefill and --decode workers (default: agg)")
         u.add_argument("--workers", type=int, default=1, help="agg mode: number of aggregated workers (default: 1)")
@@ -119,10 +127,12 @@ class UpSettings:
                 if value < 1:
                     raise PdserveError(f"{flag} must be >= 1")
                 worker_args += [flag, str(value)]
-        if args.sim_step_model is not None:
-            if args.engine != "sim":
-                raise PdserveError("--sim-step-model needs --engine sim")
-            worker_args += ["--sim-step-model", args.sim_step_model]
+        for flag, value in (("--sim-step-model", args.sim_step_model), ("--sim-profile", args.sim_profile),
+                            ("--sim-speedup", args.sim_speedup), ("--sim-startup-s", args.sim_startup_s)):
+            if value is not None:
+                if args.engine != "sim":
+                    raise PdserveError(f"{flag} needs --engine sim")
+                worker_args += [flag, str(value)]
         role_args: dict[str, list[str]] = {}
         for role, value in (("prefill", args.prefill_max_num_seqs), ("decode", args.decode_max_num_seqs)):
             if value is not None:

@@ -75,11 +75,14 @@ class SimBackend:
     # -- lifecycle --------------------------------------------------------------------
     async def start(self) -> EngineFacts:
         cfg, r = self.opts.engine, self.role
+        if self.opts.startup_s > 0:  # a new engine is not ready at once (--sim-startup-s, wall-clock)
+            log.info("sim engine %s: starting (%.1f s)", r.engine_id, self.opts.startup_s)
+            await asyncio.sleep(self.opts.startup_s)
         self.engine = SimEngine(cfg, self.vocab, self.opts.step_model, self.table, clock=self.clock)
         side = f"tcp://{r.side_channel_host}:{r.side_channel_port}"
         self._metadata = sim_metadata(r.engine_id, r.model, cfg.kv_cache_dtype, cfg.block_size, cfg.num_blocks,
                                       self.opts.shape.num_layers,
-                                      self.opts.shape.bytes_per_block_layer(cfg.block_size, cfg.kv_cache_dtype), side)
+                                      max(1, self.opts.bytes_per_block // self.opts.shape.num_layers), side)
         if r.role == "prefill":
             self.holder = Holder(self.table, lambda: self._metadata, side, r.lease_s, r.read_timeout_s,
                                  r.cluster_token, self.stats, clock=self.clock)
@@ -88,7 +91,8 @@ class SimBackend:
             self.holder.start()
         elif r.role == "decode":
             self.reader = Reader(lambda: self._metadata, r.cluster_token, r.handshake_timeout_s,
-                                 self.opts.kv_bandwidth_gbps, self.stats, r.fault_pause_s)
+                                 self.opts.kv_bandwidth_gbps, self.stats, r.fault_pause_s, self.opts.kv_latency_s,
+                                 cfg.speedup)
         self.engine.start()
         self._report = asyncio.create_task(self._report_loop())
         log.info("sim engine %s (%s): %d blocks of %d tokens, max_num_seqs %d, step model %s", r.engine_id, r.role,

@@ -125,19 +125,28 @@ class BlockTable:
         seq = self._seqs[request_id]
         bs = self.block_size
         full = min(len(token_ids) // bs, len(seq.blocks))
-        parent = seq.hashes[-1] if seq.hashes else ROOT
         for i in range(len(seq.hashes), full):
-            tokens = token_ids[i * bs:(i + 1) * bs]
-            h = chain(parent, tokens)
-            seq.hashes.append(h)
-            block = seq.blocks[i]
-            if self.prefix_caching and h not in self._block_of:  # a twin block may hold this prefix already
-                self._hash_of[block] = h
-                self._block_of[h] = block
-                if self.on_event is not None:
-                    self.on_event(BlockStored(block_hashes=[h], parent_block_hash=None if parent == ROOT else parent,
-                                              token_ids=list(tokens), block_size=bs))
-            parent = h
+            self._register(seq, token_ids[i * bs:(i + 1) * bs])
+
+    def commit_next(self, request_id: str, block_tokens: Sequence[int]) -> None:
+        """Register the request's next full block, whose tokens are `block_tokens` (the same
+        as `commit` of its whole context, without re-reading the blocks before it)."""
+        seq = self._seqs[request_id]
+        if len(block_tokens) != self.block_size or len(seq.hashes) >= len(seq.blocks):
+            raise ValueError("commit_next: one full block the request holds")
+        self._register(seq, block_tokens)
+
+    def _register(self, seq: _Seq, tokens: Sequence[int]) -> None:
+        parent = seq.hashes[-1] if seq.hashes else ROOT
+        h = chain(parent, tokens)
+        block = seq.blocks[len(seq.hashes)]
+        seq.hashes.append(h)
+        if self.prefix_caching and h not in self._block_of:  # a twin block may hold this prefix already
+            self._hash_of[block] = h
+            self._block_of[h] = block
+            if self.on_event is not None:
+                self.on_event(BlockStored(block_hashes=[h], parent_block_hash=None if parent == ROOT else parent,
+                                          token_ids=list(tokens), block_size=self.block_size))
 
     def free(self, request_id: str) -> None:
         """The request is done (finished, aborted, or its hold ended): drop its references."""

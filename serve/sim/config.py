@@ -17,6 +17,7 @@ from pathlib import Path
 
 from serve.errors import ConfigError
 from serve.sim.engine import SimConfig
+from serve.sim.profile import ProfileError, load as load_profile
 from serve.sim.timing import StepModel, parse_step_model
 
 KV_DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp8": 1, "fp8_e4m3": 1,
@@ -52,6 +53,9 @@ class SimOptions:
     step_model: StepModel
     shape: ModelShape
     kv_bandwidth_gbps: float = 0.0  # 0: a simulated READ takes no time
+    kv_latency_s: float = 0.0  # per READ, on top of bytes over the bandwidth
+    startup_s: float = 0.0  # the engine's start-up delay (a new worker is not ready at once)
+    bytes_per_block: int = 0  # KV bytes of one block, all layers (what a READ of it moves)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -68,8 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     # Accepted so a launch command `pdserve plan` writes runs as is; recorded in the engine
     # config, it changes neither the block pool nor (with the default step model) step times.
     p.add_argument("--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=int)
-    p.add_argument("--sim-step-model", default="constant")
-    p.add_argument("--sim-kv-bandwidth-gbps", type=float, default=0.0)
+    p.add_argument("--sim-step-model", default=None)
+    p.add_argument("--sim-profile", default=None)
+    p.add_argument("--sim-speedup", type=float, default=1.0)
+    p.add_argument("--sim-startup-s", type=float, default=0.0)
+    p.add_argument("--sim-kv-bandwidth-gbps", type=float, default=None)
+    p.add_argument("--sim-kv-latency-ms", type=float, default=None)
     p.add_argument("--sim-eos-rate", type=float, default=None)
     return p
 
@@ -108,14 +116,46 @@ def parse_sim_options(passthrough: list[str], model: str | None, kv_cache_gib: f
                           "--tensor-parallel-size must be >= 1")
     if not chunked and batched < mml:
         raise ConfigError(f"--max-num-batched-tokens {batched} < --max-model-len {mml} without chunked prefill")
-    per_block = shape.bytes_per_block_layer(cfg.block_size, cfg.kv_cache_dtype) * shape.num_layers
+    step, bandwidth, latency_s = _step_source(ns)
+    # A profile knows its model's KV bytes per token; without one, the model directory's shape.
+    per_token = getattr(step, "kv_bytes_per_token", 0)
+    per_block = per_token * cfg.block_size if per_token else \
+        shape.bytes_per_block_layer(cfg.block_size, cfg.kv_cache_dtype) * shape.num_layers
     blocks = ns.num_gpu_blocks if ns.num_gpu_blocks is not None else int(kv_cache_gib * 2**30 // per_block)
     if blocks < 1:
         raise ConfigError("the simulated KV cache holds no block: raise --kv-cache-gib or --num-gpu-blocks")
-    if ns.sim_kv_bandwidth_gbps < 0:
-        raise ConfigError("--sim-kv-bandwidth-gbps must be >= 0")
-    try:
-        step = parse_step_model(ns.sim_step_model)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    return SimOptions(replace(cfg, num_blocks=blocks), step, shape, ns.sim_kv_bandwidth_gbps)
+    if not ns.sim_speedup > 0:
+        raise ConfigError("--sim-speedup must be > 0")
+    if not ns.sim_startup_s >= 0:
+        raise ConfigError("--sim-startup-s must be >= 0")
+    return SimOptions(replace(cfg, num_blocks=blocks, speedup=ns.sim_speedup), step, shape, bandwidth, latency_s,
+                      ns.sim_startup_s, per_block)
+
+
+def _step_source(ns: argparse.Namespace) -> tuple[StepModel, float, float]:
+    """The step model (--sim-step-model or --sim-profile, not both) and the KV link (the
+    flags, else the profile's transfer block, else instant)."""
+    if ns.sim_step_model is not None and ns.sim_profile is not None:
+        raise ConfigError("--sim-step-model and --sim-profile: one step-time source, not both")
+    bandwidth, latency_s = 0.0, 0.0
+    if ns.sim_profile is not None:
+        try:
+            step: StepModel = load_profile(ns.sim_profile)
+        except ProfileError as exc:
+            raise ConfigError(f"--sim-profile {exc}") from None
+        if step.transfer is not None:
+            bandwidth, latency_s = step.transfer.bandwidth_gbps, step.transfer.latency_s
+    else:
+        try:
+            step = parse_step_model(ns.sim_step_model or "constant")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if ns.sim_kv_bandwidth_gbps is not None:
+        if ns.sim_kv_bandwidth_gbps < 0:
+            raise ConfigError("--sim-kv-bandwidth-gbps must be >= 0")
+        bandwidth = ns.sim_kv_bandwidth_gbps
+    if ns.sim_kv_latency_ms is not None:
+        if ns.sim_kv_latency_ms < 0:
+            raise ConfigError("--sim-kv-latency-ms must be >= 0")
+        latency_s = ns.sim_kv_latency_ms / 1000.0
+    return step, bandwidth, latency_s

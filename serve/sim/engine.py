@@ -44,9 +44,10 @@ class SimConfig:
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     eos_rate: float = 1 / 64
+    speedup: float = 1.0  # modelled step times are divided by this (leases, polls, timeouts are not)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `in` over the batch must not compare fields
 class SimRequest:
     request_id: str
     prompt: list[int]
@@ -70,6 +71,7 @@ class SimRequest:
     offset: int = 0
     remote_tokens: int | None = None
     kv_load_s: float | None = None  # how long it waited for its remote KV (reported on its first line)
+    is_running: bool = False  # in `SimEngine.running` (kept with it: a membership test without a scan)
 
     @property
     def context(self) -> list[int]:
@@ -203,13 +205,13 @@ class SimEngine:
                 self._finish(req, "error")
             raise
 
-    def _schedule(self) -> list[tuple[SimRequest, int]]:
+    def schedule(self) -> list[tuple[SimRequest, int]]:
         budget = self.cfg.max_num_batched_tokens
         batch: list[tuple[SimRequest, int]] = []
         for req in list(self.running):
             if budget <= 0:
                 break
-            if req not in self.running:  # preempted below
+            if not req.is_running:  # preempted below
                 continue
             if req.in_prefill:
                 n = min(req.target - req.computed, budget)
@@ -220,7 +222,7 @@ class SimEngine:
                     self._preempt(victim)
                     if victim is req:
                         break
-                if req not in self.running:
+                if not req.is_running:
                     continue
                 self.table.grow(req.request_id, len(req.prompt) + len(req.output) + 1)
             batch.append((req, n))
@@ -248,20 +250,32 @@ class SimEngine:
                 n = budget
             self.waiting.remove(req)
             self.running.append(req)
+            req.is_running = True
             batch.append((req, n))
             budget -= n
-        return [(r, n) for r, n in batch if r in self.running]  # a preemption may have taken one back
+        return [(r, n) for r, n in batch if r.is_running]  # a preemption may have taken one back
 
     async def _step(self) -> None:
-        batch = self._schedule()
+        batch = self.schedule()
         if not batch:
             # Nothing fits (every waiting request lacks blocks held by others): wait for a change.
             self._wake.clear()
             await self._wake.wait()
             return
+        await self.sleep(self.step_time(batch))
+        self.complete(batch)
+
+    def step_time(self, batch: list[tuple[SimRequest, int]]) -> float:
+        """The step model's time for `batch` (per-request decode contexts and prefill chunks),
+        divided by the speed-up (`--sim-speedup`: modelled step times only)."""
         decodes = [len(r.prompt) + len(r.output) for r, n in batch if not r.in_prefill]
         chunks = [(r.computed, n) for r, n in batch if r.in_prefill]
-        await self.sleep(self.step_model.step_seconds(decodes, chunks))
+        return self.step_model.step_seconds(decodes, chunks) / self.cfg.speedup
+
+    def complete(self, batch: list[tuple[SimRequest, int]]) -> None:
+        """The step is over: apply its prefill progress, sample its tokens. The offline
+        simulator calls `schedule`, `step_time` and this on its virtual clock; the live loop
+        sleeps between them."""
         self.counters.steps += 1
         for req, n in batch:
             if req.finished:  # aborted during the step
@@ -303,6 +317,7 @@ class SimEngine:
 
     def _preempt(self, req: SimRequest) -> None:
         self.running.remove(req)
+        req.is_running = False
         self.table.free(req.request_id)
         req.allocated = False
         req.in_prefill = True  # recomputed with its output so far, as vLLM recomputes a preempted request
@@ -316,8 +331,9 @@ class SimEngine:
             return None
         req.finished = reason
         self.requests.pop(req.request_id, None)
-        if req in self.running:
+        if req.is_running:
             self.running.remove(req)
+            req.is_running = False
         if req in self.waiting:
             self.waiting.remove(req)
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1

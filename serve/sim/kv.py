@@ -148,12 +148,21 @@ class Holder:
         return Reply("ok") if self.leases.release(msg.request_id) else Reply("gone", "not held")
 
 
+def transfer_seconds(nbytes: int, bandwidth_gbps: float, latency_s: float) -> float:
+    """A modelled READ: its bytes over the link's bandwidth plus the per-READ latency (no
+    bandwidth: the bytes take no time)."""
+    return latency_s + (nbytes / (bandwidth_gbps * 1e9) if bandwidth_gbps > 0 else 0.0)
+
+
 class Reader:
     """The decode side: loads a request's KV from its holder, or says why it cannot."""
 
     def __init__(self, local: Callable[[], EngineMetadata], token: str | None, timeout_s: float,
-                 bandwidth_gbps: float, stats: StatsBox, fault_pause_s: float = 0.0) -> None:
+                 bandwidth_gbps: float, stats: StatsBox, fault_pause_s: float = 0.0, latency_s: float = 0.0,
+                 speedup: float = 1.0) -> None:
         self.local = local
+        self.latency_s = latency_s
+        self.speedup = speedup
         self.fault_pause_s = fault_pause_s  # test-only: wait this long before each acquire
         self.token = token
         self.timeout_s = timeout_s
@@ -182,8 +191,9 @@ class Reader:
             return False
         local = self.local()
         nbytes = len(params.block_ids) * local.layout.bytes_per_block
-        if self.bandwidth_gbps > 0:
-            await asyncio.sleep(nbytes / (self.bandwidth_gbps * 1e9))
+        wait = transfer_seconds(nbytes, self.bandwidth_gbps, self.latency_s) / self.speedup
+        if wait > 0:
+            await asyncio.sleep(wait)
         await asyncio.to_thread(self._release, params)
         self.stats.read(time.monotonic() - t0, nbytes, len(params.block_ids))
         return True

@@ -90,7 +90,7 @@ def test_pyprojects_entry_points_name_these_add_commands():
     import tomllib
 
     eps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]["pdserve.commands"]
-    assert set(eps) == {"bench", "plan", "k8s"}
+    assert set(eps) == {"bench", "plan", "k8s", "sim"}
     for name, target in eps.items():
         module, _, attr = target.partition(":")
         sub = argparse.ArgumentParser(prog="pdserve").add_subparsers(dest="command")

@@ -1,0 +1,313 @@
+"""A cluster on the virtual clock: simulated engines behind the frontend's real routing.
+
+What is real here (the production code, called as the frontend calls it): the worker pool
+(`serve.frontend.pool.WorkerPool`, each worker registered with the `WorkerInfo` a
+simulated worker sends, its `WorkerLoad` refreshed every `poll_interval_s` as the poller
+does), the routing glue (`serve.frontend.routing.Routing`: filters, the PrefillRouter's
+costs and picker, conditional disaggregation), the load tracker, and the prefix index fed
+by the engines' own KV events (vLLM's event types, applied as the KV-event subscriber
+applies them). Admission follows the frontend's limits: `max_active_requests` served at
+once, `max_queued_requests` waiting (FIFO), the next refused with 429.
+
+What is modelled: each engine (`bench.sim.engine.OfflineEngine`, the simulated worker's
+scheduler and block table), the KV transfer (all held blocks' bytes over the link's
+bandwidth plus a per-READ latency), and nothing else: the frontend's and the client's own
+CPU time is left out (on a GPU cluster it overlaps the engines' steps).
+
+A split request follows the frontend's default path: the prefill worker computes the prompt
+and its first token (streamed at once), holds its blocks; the decode worker reads them,
+continues after that token, and the prefill's blocks are freed when the read is done.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from router.events import Event
+from serve import protocol as p
+from serve.errors import NoWorkerAvailable
+from serve.frontend.pool import WorkerPool
+from serve.frontend.routing import Routing
+from serve.frontend.settings import FrontendSettings
+from serve.sim.blocks import BlockTable
+from serve.sim.engine import SimConfig, SimRequest
+from serve.sim.kv import transfer_seconds
+from serve.sim.timing import StepModel
+
+from bench.sim.engine import OfflineEngine
+from bench.sim.loop import Loop
+
+MODEL = "sim"
+
+
+@dataclass
+class Link:
+    bandwidth_gbps: float = 0.0  # 0: instant
+    latency_s: float = 0.0
+
+
+@dataclass
+class SimWorker:
+    url: str
+    role: str
+    engine: OfflineEngine
+    table: BlockTable
+    alive: bool = True
+
+
+@dataclass
+class Flow:
+    """One request through the cluster, and what the client saw of it."""
+
+    request_id: str
+    session: int
+    turn: int
+    prompt: list[int]
+    osl: int
+    seed: int
+    arrival: float
+    on_done: Callable[[Flow], None]
+    times: array = field(default_factory=lambda: array("d"))  # virtual time of each token
+    end: float = 0.0
+    error: tuple[int, str, str] | None = None  # (HTTP status, type, message)
+    path: str = ""
+    prefill: SimWorker | None = None
+    decode: SimWorker | None = None
+    blocks: int = 0
+    cached_tokens: int = 0
+    reserved: list[tuple[str, str]] = field(default_factory=list)  # load-tracker reservations held
+    roles: tuple[str, ...] = ("agg",)  # the decode stage's roles (a retry's candidates)
+    tried: set[str] = field(default_factory=set)
+
+
+class OfflineCluster:
+    def __init__(self, loop: Loop, settings: FrontendSettings, roles: list[str], cfg: SimConfig, step_model: StepModel,
+                 bytes_per_block: int, link: Link, tp: int = 1) -> None:
+        self.loop = loop
+        self.settings = settings
+        self.cfg = cfg
+        self.link = link
+        self.bytes_per_block = bytes_per_block
+        self.pool = WorkerPool(settings.served_model_name, [], settings.poll_interval_s, settings.max_poll_failures,
+                               client=None, clock=loop.clock)  # type: ignore[arg-type]  (no HTTP offline)
+        self.routing = Routing(settings, self.pool)
+        self.workers: dict[str, SimWorker] = {}
+        self.flows: dict[str, Flow] = {}
+        self.active = 0
+        self.queue: deque[Flow] = deque()
+        self.finished = 0
+        self.recomputes = 0  # decode workers that computed a prompt whose KV could not be read
+        self.tp = tp
+        for i, role in enumerate(roles):
+            self.add_worker(f"http://sim-{role}-{i}:8100", role, step_model)
+
+    # -- workers --------------------------------------------------------------------------
+    def add_worker(self, url: str, role: str, step_model: StepModel) -> SimWorker:
+        index = self.routing.router.index
+        on_event: Callable[[Event], None] | None = None
+        if self.settings.use_kv_events and self.settings.router_mode == "kv":
+            def on_event(ev: Event, url: str = url) -> None:
+                index.apply(url, ev)
+        table = BlockTable(self.cfg.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching, on_event=on_event)
+        w: SimWorker
+
+        def on_token(req: SimRequest) -> None:
+            self._token(w, req)
+
+        engine = OfflineEngine(self.cfg, step_model, table, self.loop, on_token)
+        w = SimWorker(url, role, engine, table)
+        self.workers[url] = w
+        info = p.WorkerInfo(worker_id=url.rsplit("/", 1)[-1], role=role, url=url, model=MODEL,  # type: ignore[arg-type]
+                            served_model_name=self.settings.served_model_name, max_model_len=self.cfg.max_model_len,
+                            block_size=self.cfg.block_size, kv_cache_dtype=self.cfg.kv_cache_dtype,
+                            num_kv_blocks=self.cfg.num_blocks, engine="sim")
+        reply = self.pool.register(p.Registration(info=info, lease_seconds=float("inf")))
+        if not reply.accepted:
+            raise ValueError(reply.message)
+        self._poll_one(w)
+        return w
+
+    def kill(self, url: str) -> None:
+        """The worker dies as SIGKILL would: its requests end in errors, its blocks are gone,
+        and the frontend notices at its next failed polls (`max_poll_failures`)."""
+        w = self.workers[url]
+        w.alive = False
+        w.engine.stopped = True
+        for flow in [f for f in self.flows.values() if w in (f.prefill, f.decode)]:
+            if flow.decode is w:
+                self._fail(flow, 502, "worker_error", f"worker {url} died")
+            elif not flow.times:
+                # Its prefill worker died mid-prefill: the decode worker computes the prompt
+                # itself (the frontend's fallback), with the whole answer to generate.
+                self._unreserve(flow, url, "prefill")
+                flow.prefill, flow.path = None, "fallback"
+                self._send_decode(flow, flow.prompt, flow.osl)
+            # else: the decode worker's READ finds the holder gone (`_loaded`) and recomputes
+        self.routing.router.index.remove_worker(url)
+
+    def _poll_one(self, w: SimWorker) -> None:
+        entry = self.pool.workers.get(w.url)
+        if entry is None:
+            return
+        if not w.alive:
+            entry.failures += 1
+            if entry.failures >= self.pool.max_failures:
+                entry.healthy = False
+            return
+        e = w.engine
+        usage = w.table.usage
+        entry.load = p.WorkerLoad(worker_id=entry.info.worker_id if entry.info else w.url,
+                                  active_requests=len(e.requests), running_requests=len(e.running),
+                                  waiting_requests=len(e.waiting), kv_usage=usage,
+                                  active_blocks=round(usage * self.cfg.num_blocks))
+
+    def poll(self) -> None:
+        for w in self.workers.values():
+            self._poll_one(w)
+
+    # -- requests -------------------------------------------------------------------------
+    def submit(self, flow: Flow) -> None:
+        s = self.settings
+        if self.active < s.max_active_requests and not self.queue:
+            self._start(flow)
+        elif len(self.queue) < s.max_queued_requests:
+            self.queue.append(flow)
+        else:
+            self._end(flow, (429, "rate_limit_error", "the frontend's queue is full"))
+
+    def _start(self, flow: Flow) -> None:
+        self.active += 1
+        self.flows[flow.request_id] = flow
+        try:
+            plan = self.routing.plan(flow.prompt)
+        except NoWorkerAvailable as exc:
+            self._fail(flow, 503, "service_unavailable", str(exc))
+            return
+        flow.path = plan.reason
+        flow.blocks = plan.prompt_blocks
+        flow.roles = plan.decode_roles
+        flow.decode = self.workers[plan.decode.url]
+        if plan.prefill is not None:
+            flow.prefill = self.workers[plan.prefill.url]
+            self._send_prefill(flow)
+        else:
+            self._send_decode(flow, flow.prompt, flow.osl)
+
+    def _send_prefill(self, flow: Flow) -> None:
+        pw = flow.prefill
+        assert pw is not None
+        if not pw.alive:
+            # Unreachable prefill worker: the frontend counts a fallback and the decode
+            # worker computes the prompt itself.
+            self.pool.report_failure(pw.url)
+            flow.prefill, flow.path = None, "fallback"
+            self._send_decode(flow, flow.prompt, flow.osl)
+            return
+        self._reserve(flow, pw.url, "prefill")
+        self._add(flow, pw, flow.prompt, 1, hold=True)
+
+    def _send_decode(self, flow: Flow, prompt: list[int], max_tokens: int, remote_tokens: int | None = None) -> None:
+        """To the chosen decode (or aggregated) worker; one that is unreachable is reported
+        to the pool and the next least-loaded one not yet tried gets it, as the frontend's
+        retry after a connection error does."""
+        while flow.decode is not None and not flow.decode.alive:
+            self.pool.report_failure(flow.decode.url)
+            flow.tried.add(flow.decode.url)
+            try:
+                entry = self.routing.next_worker(flow.roles, flow.tried, len(flow.prompt))
+            except NoWorkerAvailable as exc:
+                self._fail(flow, 503, "service_unavailable", str(exc))
+                return
+            flow.decode = self.workers[entry.url]
+        dw = flow.decode
+        assert dw is not None
+        self._reserve(flow, dw.url, "decode")
+        self._add(flow, dw, prompt, max_tokens, remote_tokens=remote_tokens)
+
+    def _add(self, flow: Flow, w: SimWorker, prompt: list[int], max_tokens: int, hold: bool = False,
+             remote_tokens: int | None = None) -> None:
+        sampling = p.SamplingOptions(max_tokens=max_tokens, temperature=0.0, seed=flow.seed, ignore_eos=True)
+        try:
+            w.engine.add(flow.request_id, prompt, sampling, hold=hold, loading=remote_tokens is not None,
+                         remote_tokens=remote_tokens)
+        except ValueError as exc:
+            self._fail(flow, 400, "invalid_request_error", str(exc))
+            return
+        w.engine.kick()
+
+    def _token(self, w: SimWorker, req: SimRequest) -> None:
+        flow = self.flows.get(req.request_id)
+        if flow is None:
+            return
+        flow.times.append(self.loop.now)
+        if w is flow.prefill and w.role == "prefill" and len(flow.times) == 1:
+            # The prefill's token: streamed at once; the decode worker continues after it.
+            self._unreserve(flow, w.url, "prefill")
+            flow.cached_tokens = req.cached
+            if flow.osl <= 1:
+                w.table.free(req.request_id)  # nothing left for a decode: release at once
+                w.engine.kick()
+                self._end(flow)
+                return
+            nbytes = len(w.table.blocks_of(req.request_id)) * self.bytes_per_block if w.table.holds(req.request_id) else 0
+            self._send_decode(flow, flow.prompt + req.output, flow.osl - 1, remote_tokens=len(flow.prompt))
+            if flow.request_id in self.flows:
+                self.loop.after(transfer_seconds(nbytes, self.link.bandwidth_gbps, self.link.latency_s), self._loaded,
+                                flow)
+            return
+        if req.finished:
+            if not flow.path == "disagg":
+                flow.cached_tokens = req.cached
+            self._unreserve(flow, w.url, "decode")
+            self._end(flow)
+
+    def _loaded(self, flow: Flow) -> None:
+        """The decode worker's READ of the held blocks is done: it schedules the request, and
+        the prefill worker frees the blocks."""
+        dw, pw = flow.decode, flow.prefill
+        if dw is None or pw is None or flow.request_id not in self.flows:
+            return
+        req = dw.engine.requests.get(flow.request_id)
+        if req is not None:
+            # A dead holder's blocks cannot be read: the decode engine recomputes the prompt.
+            dw.engine.load_done(req, ok=pw.alive)
+            dw.engine.kick()
+        if not pw.alive:
+            self.recomputes += 1
+            return
+        pw.table.free(flow.request_id)
+        pw.engine.kick()
+
+    def _fail(self, flow: Flow, status: int, kind: str, message: str) -> None:
+        for w in (flow.prefill, flow.decode):
+            if w is not None and w.alive:
+                if flow.request_id in w.engine.requests:
+                    w.engine.abort(flow.request_id)
+                if w.table.holds(flow.request_id):
+                    w.table.free(flow.request_id)
+                w.engine.kick()
+        self._end(flow, (status, kind, message))
+
+    def _reserve(self, flow: Flow, url: str, stage: str) -> None:
+        self.routing.load.acquire(url, stage, flow.blocks)  # type: ignore[arg-type]
+        flow.reserved.append((url, stage))
+
+    def _unreserve(self, flow: Flow, url: str, stage: str) -> None:
+        if (url, stage) in flow.reserved:
+            flow.reserved.remove((url, stage))
+            self.routing.load.release(url, stage, flow.blocks)  # type: ignore[arg-type]
+
+    def _end(self, flow: Flow, error: tuple[int, str, str] | None = None) -> None:
+        for url, stage in list(flow.reserved):
+            self._unreserve(flow, url, stage)
+        flow.end = self.loop.now
+        flow.error = error
+        if self.flows.pop(flow.request_id, None) is not None:
+            self.active -= 1
+            while self.queue and self.active < self.settings.max_active_requests:
+                self._start(self.queue.popleft())
+        self.finished += 1
+        flow.on_done(flow)

@@ -1,0 +1,84 @@
+"""The simulated engine on a virtual clock: `serve.sim.engine.SimEngine`'s scheduler, block
+table and step model unchanged, driven by the offline loop instead of asyncio, with a lean
+sampler. Tokens never become text offline, so a token is a cheap function of the request
+and position (not `serve.sim.tokens.token_at`), requests run to `max_tokens` (EOS off, as a
+benchmark's `ignore_eos`), and the prefix cache registers each output block once, when it
+fills. Each sampled token is handed to `on_token(req)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from serve.sim.blocks import BlockTable
+from serve.sim.engine import SimConfig, SimEngine, SimRequest
+from serve.sim.timing import StepModel
+from serve.sim.tokens import Vocabulary
+
+from bench.sim.loop import Loop
+
+_VOCAB = Vocabulary.from_model_dir(None)  # unused offline (no sampling through it); built once
+VOCAB_SPAN = 30000  # offline output ids lie in [1000, 31000): real-looking, never special
+
+
+def output_token(seed: int, position: int) -> int:
+    """The offline token at `position` of the answer to a prompt with `seed`; the workload
+    uses the same function to put earlier answers in later turns' prompts."""
+    return 1000 + (seed * 2654435761 + position * 40503) % VOCAB_SPAN
+
+
+class OfflineEngine(SimEngine):
+    def __init__(self, cfg: SimConfig, step_model: StepModel, table: BlockTable, loop: Loop,
+                 on_token: Callable[[SimRequest], None], on_idle: Callable[[], None] | None = None) -> None:
+        super().__init__(cfg, _VOCAB, step_model, table, clock=loop.clock)
+        self.loop = loop
+        self.on_token = on_token
+        self.busy = False
+        self.stopped = False
+        self.slowdown = 1.0  # a fault: steps take this many times longer
+        self.busy_s = 0.0  # virtual seconds spent in steps
+
+    # -- the step loop on the virtual clock ---------------------------------------------
+    def kick(self) -> None:
+        """Start a step if the engine is idle and has work that fits."""
+        if self.busy or self.stopped:
+            return
+        batch = self.schedule()
+        if not batch:
+            return
+        self.busy = True
+        dt = self.step_time(batch) * self.slowdown
+        self.busy_s += dt
+        self.loop.after(dt, self._done, batch)
+
+    def _done(self, batch: list[tuple[SimRequest, int]]) -> None:
+        self.busy = False
+        if self.stopped:
+            return
+        self.complete(batch)
+        self.kick()
+
+    # -- sampling ------------------------------------------------------------------------
+    def _sample(self, req: SimRequest) -> None:
+        out = req.output
+        pos = req.offset + len(out)
+        seed = req.sampling.seed or 0
+        out.append(output_token(seed, pos))
+        self.counters.generation_tokens += 1
+        # Blocks that filled with this step's KV (the context but the new token) join the cache.
+        table, bs, prompt = self.table, self.table.block_size, req.prompt
+        computed = len(prompt) + len(out) - 1
+        hashes = table._seqs[req.request_id].hashes
+        while len(hashes) < computed // bs:
+            start = len(hashes) * bs
+            end = start + bs
+            if start >= len(prompt):
+                block = out[start - len(prompt):end - len(prompt)]
+            elif end <= len(prompt):
+                block = prompt[start:end]
+            else:
+                block = prompt[start:] + out[:end - len(prompt)]
+            table.commit_next(req.request_id, block)
+        if len(out) >= req.sampling.max_tokens:
+            self._finish(req, "length", announce=False)
+        self.on_token(req)
