@@ -22,9 +22,17 @@ def chain(parent: int, tokens: Sequence[int]) -> int:
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) -> list[int]:
-    """Chained hashes of every full block of `token_ids` (a trailing partial block is ignored)."""
-    out = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain(parent, token_ids[start:start + block_size])
+    """Chained hashes of every full block of `token_ids` (a trailing partial block is ignored);
+    `chain` block by block, over one conversion of the whole prompt (the router's hot path)."""
+    out: list[int] = []
+    full = len(token_ids) // block_size
+    if not full:
+        return out
+    data = memoryview(array("I", token_ids[:full * block_size]).tobytes())
+    step = 4 * block_size
+    for start in range(0, full * step, step):
+        h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
+        h.update(data[start:start + step])
+        parent = int.from_bytes(h.digest(), "little")
         out.append(parent)
     return out

@@ -28,9 +28,33 @@ class _Load:
     blocks: int = 0
 
 
+CHANGE_LOG = 4096  # worker ids remembered for `changes_since` (older readers rebuild)
+
+
 class LoadTracker:
     def __init__(self) -> None:
         self._load: dict[tuple[str, Stage], _Load] = {}
+        self._changes: list[str] = []  # workers whose load changed, oldest first
+        self._first = 0  # sequence number of _changes[0]
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the next change."""
+        return self._first + len(self._changes)
+
+    def changes_since(self, seq: int) -> list[str] | None:
+        """Workers whose load changed since `seq` (with repeats), or None if that is too long
+        ago to say: what a cache of per-worker candidates patches instead of rebuilding."""
+        if seq < self._first:
+            return None
+        return self._changes[seq - self._first:]
+
+    def _changed(self, worker_id: str) -> None:
+        self._changes.append(worker_id)
+        if len(self._changes) > CHANGE_LOG:
+            drop = CHANGE_LOG // 2
+            del self._changes[:drop]
+            self._first += drop
 
     def acquire(self, worker_id: str, stage: Stage, blocks: int = 0) -> None:
         if stage not in STAGES:
@@ -40,6 +64,7 @@ class LoadTracker:
             load = self._load[(worker_id, stage)] = _Load()
         load.requests += 1
         load.blocks += blocks
+        self._changed(worker_id)
 
     def release(self, worker_id: str, stage: Stage, blocks: int = 0) -> None:
         load = self._load.get((worker_id, stage))
@@ -49,6 +74,7 @@ class LoadTracker:
         load.blocks -= blocks
         if load.requests == 0:
             del self._load[(worker_id, stage)]
+        self._changed(worker_id)
 
     @contextlib.contextmanager
     def reserve(self, worker_id: str, stage: Stage, blocks: int = 0) -> Iterator[None]:

@@ -11,22 +11,26 @@ cost, which is what `POST /v1/route/explain` returns.
 
 from __future__ import annotations
 
+import functools
 import itertools
+import operator
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from router.errors import NoCandidates
 from router.hashing import block_hashes
 from router.index import PrefixIndex
-from router.scoring import decode_cost, load_cost, pick, prefill_cost
+from router.scoring import load_cost, pick, prefill_cost
 
 Mode = Literal["kv", "round-robin", "random"]
 
 
-@dataclass(frozen=True)
-class Candidate:
+class Candidate(NamedTuple):
+    """What the router knows of one worker for one decision (a tuple: one is built per
+    worker per decision, so it must be cheap at 1,000 workers)."""
+
     worker_id: str
     inflight_prefill_blocks: int = 0
     active_blocks: int = 0
@@ -36,7 +40,7 @@ class Candidate:
 
 
 @dataclass(slots=True)
-class WorkerScore:  # plain slots dataclass: one is built per worker per decision (hot path)
+class WorkerScore:
     worker_id: str
     overlap_blocks: int
     load: float
@@ -45,14 +49,30 @@ class WorkerScore:  # plain slots dataclass: one is built per worker per decisio
 
 @dataclass(frozen=True)
 class Decision:
+    """The chosen worker, and every candidate's score (built only when read: explain, tests)."""
+
     worker_id: str
     prompt_blocks: int
     overlap_blocks: int
-    scores: list[WorkerScore] = field(default_factory=list)
+    candidates: Sequence[Candidate] = ()
+    costs: Sequence[float] = ()
+    overlaps: Mapping[str, int] = field(default_factory=dict)
+    load_field: str = "inflight_prefill_blocks"  # the Candidate field shown as each worker's load; "" = cost
+    cost_offset: float = 0.0  # added to every entry of `costs` (a term all candidates share)
 
     @property
     def cached_ratio(self) -> float:
         return self.overlap_blocks / self.prompt_blocks if self.prompt_blocks else 0.0
+
+    @functools.cached_property
+    def scores(self) -> list[WorkerScore]:
+        get, f, off = self.overlaps.get, self.load_field, self.cost_offset
+        return [WorkerScore(c.worker_id, get(c.worker_id, 0), float(getattr(c, f) if f else cost + off), cost + off)
+                for c, cost in zip(self.candidates, self.costs)]
+
+
+_WORKER_ID = operator.itemgetter(0)
+_INFLIGHT_PREFILL = operator.itemgetter(1)
 
 
 class PrefillRouter:
@@ -72,47 +92,54 @@ class PrefillRouter:
     def hashes(self, token_ids: Sequence[int]) -> list[int]:
         return block_hashes(token_ids, self.block_size)
 
-    def _score(self, hashes: Sequence[int], candidates: Sequence[Candidate], prompt_blocks: int) -> list[WorkerScore]:
-        overlaps = self.index.overlaps(hashes)
-        w = self.overlap_weight
-        return [WorkerScore(c.worker_id, (o := overlaps.get(c.worker_id, 0)), float(c.inflight_prefill_blocks),
-                            prefill_cost(w, prompt_blocks, o, c.inflight_prefill_blocks)) for c in candidates]
-
     def route_prefill(self, hashes: Sequence[int], candidates: Sequence[Candidate], num_tokens: int,
                       record: bool = True) -> Decision:
         if not candidates:
             raise NoCandidates("no prefill worker")
         prompt_blocks = -(-num_tokens // self.block_size)
-        scores = self._score(hashes, candidates, prompt_blocks)
+        overlaps = self.index.overlaps(hashes)
+        w = self.overlap_weight
+        # prefill_cost(w, P, o, inflight) = w * P + (inflight - w * o): the first term is the
+        # same for every candidate, so the choice is made on the second (built in C where it
+        # can be: this is the hot loop at 1,000 workers) and the costs are offset for display.
+        rel = list(map(_INFLIGHT_PREFILL, candidates))
+        if overlaps:
+            ids = list(map(_WORKER_ID, candidates))
+            for wid, o in overlaps.items():
+                if o:
+                    try:
+                        rel[ids.index(wid)] -= w * o
+                    except ValueError:  # holds blocks but is no candidate
+                        pass
         if self.mode == "round-robin":
             i = next(self._rr) % len(candidates)
         elif self.mode == "random":
             i = self.rng.randrange(len(candidates))
         else:
-            i = pick([s.cost for s in scores], self.temperature, self.rng)
-        chosen = scores[i]
+            i = pick(rel, self.temperature, self.rng, exact=float(w).is_integer())
+        chosen = candidates[i].worker_id
         if record and not self.use_kv_events:
-            self.index.record_routed(chosen.worker_id, hashes)
-        return Decision(chosen.worker_id, prompt_blocks, chosen.overlap_blocks, scores)
+            self.index.record_routed(chosen, hashes)
+        return Decision(chosen, prompt_blocks, overlaps.get(chosen, 0), candidates, rel, overlaps,
+                        cost_offset=prefill_cost(w, prompt_blocks, 0, 0))
 
     def route_decode(self, hashes: Sequence[int], candidates: Sequence[Candidate], num_tokens: int) -> Decision:
         if not candidates:
             raise NoCandidates("no decode worker")
         prompt_blocks = -(-num_tokens // self.block_size)
-        scores = []
         overlaps = self.index.overlaps(hashes)
-        for c in candidates:
-            cost = decode_cost(c.active_blocks, c.queued_requests, prompt_blocks)
-            scores.append(WorkerScore(c.worker_id, overlaps.get(c.worker_id, 0), float(cost), cost))
-        i = pick([s.cost for s in scores], self.temperature, self.rng)
-        return Decision(scores[i].worker_id, prompt_blocks, scores[i].overlap_blocks, scores)
+        # decode_cost(active, queued, P) = active + queued * P, unrolled (the hot loop at scale).
+        costs = [c[2] + c[3] * prompt_blocks for c in candidates]
+        i = pick(costs, self.temperature, self.rng, exact=True)
+        chosen = candidates[i].worker_id
+        return Decision(chosen, prompt_blocks, overlaps.get(chosen, 0), candidates, costs, overlaps, load_field="")
 
     def route_agg(self, candidates: Sequence[Candidate], num_tokens: int = 0) -> Decision:
         """The least-loaded candidate (requests in flight + queued + KV usage), ties at random."""
         if not candidates:
             raise NoCandidates("no worker available")
         prompt_blocks = -(-num_tokens // self.block_size) if num_tokens else 0
-        scores = [WorkerScore(c.worker_id, 0, float(c.inflight_requests),
-                              load_cost(c.inflight_requests, c.queued_requests, c.kv_usage)) for c in candidates]
-        i = pick([s.cost for s in scores], 0.0, self.rng)
-        return Decision(scores[i].worker_id, prompt_blocks, 0, scores)
+        costs = [load_cost(c[4], c[3], c[5]) for c in candidates]
+        i = pick(costs, 0.0, self.rng, exact=True)
+        return Decision(candidates[i].worker_id, prompt_blocks, 0, candidates, costs, {},
+                        load_field="inflight_requests")

@@ -31,12 +31,24 @@ def load_cost(inflight_requests: int, queued_requests: int, kv_usage: float) -> 
     return inflight_requests + queued_requests + kv_usage
 
 
-def pick(costs: Sequence[float], temperature: float, rng: random.Random) -> int:
+def pick(costs: Sequence[float], temperature: float, rng: random.Random, exact: bool = False) -> int:
+    """`exact`: the costs are computed without rounding (integers, or the same operations on
+    equal inputs), so a tie is an equal value and the search for one runs in C (the
+    decision at 1,000 workers); otherwise costs within 1e-9 of the lowest tie."""
     if not costs:
         raise ValueError("no candidates")
     best = min(costs)
     if temperature <= 0:
-        tied = [i for i, c in enumerate(costs) if c - best < 1e-9]
+        if exact and isinstance(costs, list):
+            n = costs.count(best)
+            if n == 1:
+                return costs.index(best)
+            tied, i = [], -1
+            for _ in range(n):
+                i = costs.index(best, i + 1)
+                tied.append(i)
+        else:
+            tied = [i for i, c in enumerate(costs) if c - best < 1e-9]
         return tied[0] if len(tied) == 1 else rng.choice(tied)
     spread = (max(costs) - best) or 1.0
     weights = [math.exp(-(c - best) / (temperature * spread)) for c in costs]

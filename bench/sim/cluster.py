@@ -78,6 +78,7 @@ class Flow:
     decode: SimWorker | None = None
     blocks: int = 0
     cached_tokens: int = 0
+    isl: int = 0  # the prompt's length (the prompt itself is dropped when the request ends)
     reserved: list[tuple[str, str]] = field(default_factory=list)  # load-tracker reservations held
     roles: tuple[str, ...] = ("agg",)  # the decode stage's roles (a retry's candidates)
     tried: set[str] = field(default_factory=set)
@@ -233,6 +234,7 @@ class OfflineCluster:
         try:
             w.engine.add(flow.request_id, prompt, sampling, hold=hold, loading=remote_tokens is not None,
                          remote_tokens=remote_tokens)
+            w.engine.token_times[flow.request_id] = flow.times
         except ValueError as exc:
             self._fail(flow, 400, "invalid_request_error", str(exc))
             return
@@ -242,7 +244,6 @@ class OfflineCluster:
         flow = self.flows.get(req.request_id)
         if flow is None:
             return
-        flow.times.append(self.loop.now)
         if w is flow.prefill and w.role == "prefill" and len(flow.times) == 1:
             # The prefill's token: streamed at once; the decode worker continues after it.
             self._unreserve(flow, w.url, "prefill")
@@ -283,6 +284,8 @@ class OfflineCluster:
 
     def _fail(self, flow: Flow, status: int, kind: str, message: str) -> None:
         for w in (flow.prefill, flow.decode):
+            if w is not None:
+                w.engine.token_times.pop(flow.request_id, None)
             if w is not None and w.alive:
                 if flow.request_id in w.engine.requests:
                     w.engine.abort(flow.request_id)
@@ -305,6 +308,7 @@ class OfflineCluster:
             self._unreserve(flow, url, stage)
         flow.end = self.loop.now
         flow.error = error
+        flow.isl, flow.prompt = len(flow.prompt), []
         if self.flows.pop(flow.request_id, None) is not None:
             self.active -= 1
             while self.queue and self.active < self.settings.max_active_requests:

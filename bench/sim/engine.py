@@ -3,11 +3,13 @@ table and step model unchanged, driven by the offline loop instead of asyncio, w
 sampler. Tokens never become text offline, so a token is a cheap function of the request
 and position (not `serve.sim.tokens.token_at`), requests run to `max_tokens` (EOS off, as a
 benchmark's `ignore_eos`), and the prefix cache registers each output block once, when it
-fills. Each sampled token is handed to `on_token(req)`.
+fills. Each token's virtual time goes to `token_times[request_id]`; the first and the last
+are also handed to `on_token(req)`.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
 
 from serve.sim.blocks import BlockTable
@@ -37,6 +39,9 @@ class OfflineEngine(SimEngine):
         self.stopped = False
         self.slowdown = 1.0  # a fault: steps take this many times longer
         self.busy_s = 0.0  # virtual seconds spent in steps
+        # request id -> where its tokens' times go (the client's view); `on_token` is called
+        # only for a request's first token and its last, the ones the cluster acts on.
+        self.token_times: dict[str, array] = {}
 
     # -- the step loop on the virtual clock ---------------------------------------------
     def kick(self) -> None:
@@ -61,24 +66,27 @@ class OfflineEngine(SimEngine):
     # -- sampling ------------------------------------------------------------------------
     def _sample(self, req: SimRequest) -> None:
         out = req.output
-        pos = req.offset + len(out)
-        seed = req.sampling.seed or 0
-        out.append(output_token(seed, pos))
+        out.append(output_token(req.sampling.seed or 0, req.offset + len(out)))
         self.counters.generation_tokens += 1
-        # Blocks that filled with this step's KV (the context but the new token) join the cache.
-        table, bs, prompt = self.table, self.table.block_size, req.prompt
+        # A block that filled with this step's KV (the context but the new token) joins the
+        # cache; the prefill's commit registered every full block before the first token.
+        prompt = req.prompt
         computed = len(prompt) + len(out) - 1
-        hashes = table._seqs[req.request_id].hashes
-        while len(hashes) < computed // bs:
-            start = len(hashes) * bs
-            end = start + bs
+        bs = self.table.block_size
+        if computed % bs == 0 and len(out) > 1:
+            start = computed - bs
             if start >= len(prompt):
-                block = out[start - len(prompt):end - len(prompt)]
-            elif end <= len(prompt):
-                block = prompt[start:end]
+                block = out[start - len(prompt):computed - len(prompt)]
             else:
-                block = prompt[start:] + out[:end - len(prompt)]
-            table.commit_next(req.request_id, block)
+                block = prompt[start:] + out[:computed - len(prompt)]
+            if self.table.committed(req.request_id) == start // bs:
+                self.table.commit_next(req.request_id, block)
+        times = self.token_times.get(req.request_id)
+        if times is not None:
+            times.append(self.loop.now)
         if len(out) >= req.sampling.max_tokens:
             self._finish(req, "length", announce=False)
-        self.on_token(req)
+            self.token_times.pop(req.request_id, None)
+            self.on_token(req)
+        elif len(out) == 1:
+            self.on_token(req)

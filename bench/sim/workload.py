@@ -9,13 +9,14 @@ timestamps (`--fixed-schedule`). Prompts are token ids (no tokenizer, no chat te
 
 from __future__ import annotations
 
+import functools
 import random
 from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.loadgen.config import ProfileConfig
-from bench.loadgen.dataset import parse_mooncake
+from bench.loadgen.dataset import TraceEntry, parse_mooncake
 from bench.loadgen.errors import LoadgenError
 from bench.sim.cluster import Flow, OfflineCluster
 from bench.sim.engine import output_token
@@ -27,9 +28,13 @@ TOKEN_LOW, TOKEN_SPAN = 1000, 30000
 
 @dataclass
 class SimTurn:
-    content: list[int]  # this turn's new tokens (after the conversation so far)
+    make: Callable[[], list[int]]  # this turn's new tokens (after the conversation so far), made when sent
     osl: int
     delay_s: float = 0.0  # after the previous turn's answer
+
+    @property
+    def content(self) -> list[int]:
+        return self.make()
 
 
 @dataclass
@@ -63,13 +68,21 @@ def build_sessions(cfg: ProfileConfig) -> list[SimSession]:
         turns = []
         for t in range(_length(rng, turns_mean, cfg.session_turns_stddev)):
             isl = _length(rng, cfg.isl, cfg.isl_stddev)
-            content = _tokens(rng, isl)
-            if t == 0 and prefixes:
-                content = rng.choice(prefixes) + content[:max(1, isl - cfg.prefix_prompt_length)]
-            turns.append(SimTurn(content, _length(rng, cfg.osl, cfg.osl_stddev),
+            seed = rng.getrandbits(64)
+            prefix = rng.randrange(len(prefixes)) if t == 0 and prefixes else None
+            make = functools.partial(_content, prefixes, prefix, seed, isl, cfg.prefix_prompt_length)
+            turns.append(SimTurn(make, _length(rng, cfg.osl, cfg.osl_stddev),
                                  cfg.session_turn_delay_ms / 1000.0 if t else 0.0))
         out.append(SimSession(i, turns))
     return out
+
+
+def _content(prefixes: list[list[int]], prefix: int | None, seed: int, isl: int, prefix_len: int) -> list[int]:
+    """A synthetic turn's tokens (made when sent: 100,000 prompts need not all be held)."""
+    rng = random.Random(seed)
+    if prefix is None:
+        return _tokens(rng, isl)
+    return prefixes[prefix] + _tokens(rng, max(1, isl - prefix_len))
 
 
 def _from_trace(cfg: ProfileConfig) -> list[SimSession]:
@@ -81,7 +94,7 @@ def _from_trace(cfg: ProfileConfig) -> list[SimSession]:
     blocks: dict[int, list[int]] = {}
     out = []
     t0 = min((e.timestamp_ms for e in entries if e.timestamp_ms is not None), default=0.0)
-    for i, e in enumerate(entries):
+    def make(i: int, e: TraceEntry) -> list[int]:
         toks: list[int] = []
         for h in e.hash_ids:
             if h not in blocks:
@@ -89,8 +102,12 @@ def _from_trace(cfg: ProfileConfig) -> list[SimSession]:
             toks += blocks[h]
         if len(toks) < e.input_length:
             toks += _tokens(random.Random(i * 7919 + cfg.random_seed + 1), e.input_length - len(toks))
+        return toks[:e.input_length]
+
+    for i, e in enumerate(entries):
         at = (e.timestamp_ms - t0) / 1000.0 if cfg.fixed_schedule and e.timestamp_ms is not None else None
-        out.append(SimSession(i, [SimTurn(toks[:e.input_length], max(1, e.output_length or cfg.osl or 1))], at))
+        out.append(SimSession(i, [SimTurn(functools.partial(make, i, e), max(1, e.output_length or cfg.osl or 1))],
+                              at))
     if cfg.num_requests:
         out = out[:cfg.num_requests]
     return out

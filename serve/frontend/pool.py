@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import httpx
 
@@ -33,6 +34,14 @@ class WorkerEntry:
     failures: int = 0
     load: p.WorkerLoad | None = None
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+
+    # Bumped by every change to any entry: the routing's caches of views and candidates are
+    # valid while it stays (and no lease has run out since they were built).
+    version: ClassVar[int] = 0
+
+    def __setattr__(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)
+        WorkerEntry.version += 1
 
     @property
     def leased(self) -> bool:
@@ -110,6 +119,7 @@ class WorkerPool:
                     entry.healthy = False
                 else:
                     del self.workers[url]
+                    WorkerEntry.version += 1
                 log.info("worker %s deregistered", worker_id)
                 return True
         return False
@@ -126,6 +136,7 @@ class WorkerPool:
             if not entry.static and now > entry.lease_expiry + 3 * self.poll_interval_s + 30:
                 log.info("worker at %s dropped: lease expired", url)
                 del self.workers[url]
+                WorkerEntry.version += 1
         await asyncio.gather(*(self._poll(e) for e in list(self.workers.values())))
 
     async def _poll(self, entry: WorkerEntry) -> None:

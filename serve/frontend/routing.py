@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.errors import NoCandidates
 from router.filters import compatible_with, eligible
@@ -56,11 +57,50 @@ class Routing:
         self.load = load or LoadTracker()
         self.router = PrefillRouter(settings.block_size, settings.router_mode, settings.kv_overlap_score_weight,
                                     settings.router_temperature, settings.use_kv_events)
+        # Caches for decisions at scale (see `eligible`, `_candidates`).
+        self._eligible: dict[tuple, Any] = {}  # roles -> entries; ("compatible", ...) -> (entries, subset)
+        self._views_key: tuple[int, int] = (-1, -1)
+        self._views_horizon = float("inf")
+        self._cands: dict[int, tuple] = {}
 
     # -- filter stage -----------------------------------------------------------------
     def eligible(self, roles: Collection[str], exclude: Collection[str] = ()) -> list[WorkerEntry]:
-        views = eligible((e.view() for e in self.pool.workers.values()), roles, exclude)
-        return [self.pool.workers[v.worker_id] for v in views]
+        """The filter stage's survivors. Without `exclude` the list is cached until a worker
+        entry changes or a lease runs out (a decision at 1,000 workers must not rebuild 1,000
+        views); do not modify it."""
+        if exclude:
+            views = eligible((e.view() for e in self.pool.workers.values()), roles, exclude)
+            return [self.pool.workers[v.worker_id] for v in views]
+        now = self.pool.clock()
+        if (WorkerEntry.version, len(self.pool.workers)) != self._views_key or now >= self._views_horizon:
+            self._eligible.clear()
+            self._views_key = (WorkerEntry.version, len(self.pool.workers))
+            self._views_horizon = min((e.lease_expiry for e in self.pool.workers.values()
+                                       if e.lease_expiry > now), default=float("inf"))
+        key = tuple(roles)
+        cached = self._eligible.get(key)
+        if cached is None:
+            views = eligible((e.view() for e in self.pool.workers.values()), roles)
+            cached = self._eligible[key] = [self.pool.workers[v.worker_id] for v in views]
+        return cached
+
+    def _compatible(self, entries: list[WorkerEntry], peer: WorkerEntry) -> list[WorkerEntry]:
+        """The entries that can exchange KV with `peer` (cached with the eligible lists, per KV
+        layout: block size and dtype)."""
+        pv = peer.view()
+        key = ("compatible", id(entries), pv.block_size, pv.kv_cache_dtype)
+        cached = self._eligible.get(key)  # type: ignore[call-overload]
+        if cached is not None and cached[0] is entries:
+            return cached[1]
+        out = [self.pool.workers[v.worker_id] for v in compatible_with((e.view() for e in entries), pv)]
+        if len(out) == len(entries):
+            out = entries  # all compatible (the common case): the cached list itself
+        if self._is_cached(entries):
+            self._eligible[key] = (entries, out)  # type: ignore[index]
+        return out
+
+    def _is_cached(self, entries: list[WorkerEntry]) -> bool:
+        return any(entries is v or (isinstance(v, tuple) and entries is v[1]) for v in self._eligible.values())
 
     def _candidate(self, e: WorkerEntry) -> Candidate:
         load = e.load
@@ -71,9 +111,32 @@ class Routing:
                          inflight_requests=self.load.requests(e.url),
                          kv_usage=load.kv_usage if load else 0.0)
 
+    def _candidates(self, entries: list[WorkerEntry]) -> list[Candidate]:
+        """Candidates for `entries` (a list `eligible` cached): kept with the list and patched
+        for the workers whose tracked load changed since, rebuilt when an entry changed."""
+        c = self._cands.get(id(entries))
+        if c is None or c[0] is not entries or c[1] != WorkerEntry.version:
+            cands = [self._candidate(e) for e in entries]
+            if self._is_cached(entries):
+                index = {e.url: i for i, e in enumerate(entries)}
+                self._cands = {k: v for k, v in self._cands.items() if self._is_cached(v[0])}
+                self._cands[id(entries)] = (entries, WorkerEntry.version, self.load.seq, cands, index)
+            return list(cands)
+        _, version, seq, cands, index = c
+        changed = self.load.changes_since(seq)
+        if changed is None:
+            del self._cands[id(entries)]
+            return self._candidates(entries)
+        for url in set(changed):
+            i = index.get(url)
+            if i is not None:
+                cands[i] = self._candidate(entries[i])
+        self._cands[id(entries)] = (entries, version, self.load.seq, cands, index)
+        return list(cands)
+
     def _block_size(self) -> int:
-        for e in self.pool.available():
-            if e.info is not None:
+        for e in self.pool.workers.values():
+            if e.info is not None and e.in_rotation:
                 return e.info.block_size
         return self.settings.block_size
 
@@ -89,11 +152,11 @@ class Routing:
             agg = self.eligible(("agg",))
             if not agg:
                 raise NoWorkerAvailable("no worker available" if not prefill else "no decode worker available")
-            d = self.router.route_agg([self._candidate(e) for e in agg], n)
+            d = self.router.route_agg(self._candidates(agg), n)
             return RoutePlan(decode=self.pool.workers[d.worker_id], prompt_blocks=d.prompt_blocks, reason="agg")
         hashes = self.router.hashes(prompt_ids)
         try:
-            dd = self.router.route_decode(hashes, [self._candidate(e) for e in decode], n)
+            dd = self.router.route_decode(hashes, self._candidates(decode), n)
         except NoCandidates as exc:
             raise NoWorkerAvailable(str(exc)) from None
         chosen = self.pool.workers[dd.worker_id]
@@ -103,12 +166,11 @@ class Routing:
         if threshold > 0 and uncached < threshold:
             plan.reason = "conditional"
             return plan
-        views = compatible_with((e.view() for e in prefill), chosen.view())
-        prefill = [self.pool.workers[v.worker_id] for v in views]
+        prefill = self._compatible(prefill, chosen)
         if not prefill:
             plan.reason = "no-prefill-worker"
             return plan
-        pd = self.router.route_prefill(hashes, [self._candidate(e) for e in prefill], n, record=not dry_run)
+        pd = self.router.route_prefill(hashes, self._candidates(prefill), n, record=not dry_run)
         plan.prefill = self.pool.workers[pd.worker_id]
         plan.prefill_decision = pd
         plan.reason = "disagg"

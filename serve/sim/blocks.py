@@ -65,6 +65,10 @@ class BlockTable:
     def blocks_of(self, request_id: str) -> list[int]:
         return list(self._seqs[request_id].blocks)
 
+    def committed(self, request_id: str) -> int:
+        """Blocks of the request registered in the prefix cache (by `commit`/`commit_next`)."""
+        return len(self._seqs[request_id].hashes)
+
     def holds(self, request_id: str) -> bool:
         return request_id in self._seqs
 
@@ -116,6 +120,22 @@ class BlockTable:
         for _ in range(max(0, need)):
             seq.blocks.append(self._take())
         seq.tokens = max(seq.tokens, n_tokens)
+
+    def try_grow(self, request_id: str, n_tokens: int) -> bool:
+        """`grow` if there is room (True), else nothing (False): a decode step's one call."""
+        seq = self._seqs[request_id]
+        have = len(seq.blocks)
+        if n_tokens <= have * self.block_size:  # the common case: room in its last block
+            if n_tokens > seq.tokens:
+                seq.tokens = n_tokens
+            return True
+        need = -(-n_tokens // self.block_size) - have
+        if need > len(self._free) + len(self._evictable):
+            return False
+        for _ in range(need):
+            seq.blocks.append(self._take())
+        seq.tokens = n_tokens
+        return True
 
     def can_grow(self, request_id: str, n_tokens: int) -> bool:
         return self.blocks_needed(n_tokens) - len(self._seqs[request_id].blocks) <= self.available

@@ -217,14 +217,14 @@ class SimEngine:
                 n = min(req.target - req.computed, budget)
             else:
                 n = 1
-                while not self.table.can_grow(req.request_id, len(req.prompt) + len(req.output) + 1):
+                total = len(req.prompt) + len(req.output) + 1
+                while not self.table.try_grow(req.request_id, total):
                     victim = self.running[-1]
                     self._preempt(victim)
                     if victim is req:
                         break
                 if not req.is_running:
                     continue
-                self.table.grow(req.request_id, len(req.prompt) + len(req.output) + 1)
             batch.append((req, n))
             budget -= n
         for req in list(self.waiting):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from array import array
 import subprocess
 import sys
 
@@ -31,11 +32,12 @@ def test_engine_keeps_budget_batch_cap_and_block_accounting_under_pressure():
     cfg = SimConfig(max_num_seqs=6, num_blocks=40, block_size=16, max_num_batched_tokens=64, max_model_len=512)
     loop = Loop()
     table = BlockTable(cfg.num_blocks, cfg.block_size)
-    tokens: dict[str, int] = {}
-    eng: OfflineEngine
+    times: dict[str, array] = {}
+    ended: list[str] = []
 
-    def on_token(req):
-        tokens[req.request_id] = tokens.get(req.request_id, 0) + 1
+    def on_token(req):  # the first token and the last
+        if req.finished:
+            ended.append(req.request_id)
 
     eng = OfflineEngine(cfg, LinearStep(0.001, 1e-5, 1e-4, 0), table, loop, on_token)
     steps = []
@@ -55,11 +57,13 @@ def test_engine_keeps_budget_batch_cap_and_block_accounting_under_pressure():
     for i in range(30):
         n, m = rng.randrange(1, 200), rng.randrange(1, 60)
         want[f"r{i}"] = m
+        times[f"r{i}"] = eng.token_times[f"r{i}"] = array("d")
         loop.at(rng.random() * 0.05, lambda i=i, n=n, m=m: (
             eng.add(f"r{i}", [1000 + rng.randrange(500) for _ in range(n)], p.SamplingOptions(max_tokens=m, seed=i)),
             eng.kick()))
     loop.run()
-    assert tokens == want
+    assert {k: len(v) for k, v in times.items()} == want and sorted(ended) == sorted(want)
+    assert all(list(v) == sorted(v) for v in times.values())  # token times never go back
     assert eng.counters.preemptions > 0  # the cache was too small for all of them at once
     assert not eng.requests and not eng.running and not eng.waiting
     assert table.used_blocks == 0

@@ -1,0 +1,115 @@
+"""Studies run on the offline simulator (each one `pdserve sim` run per row, in this process):
+
+    python -m bench.sim.studies speed   [--out DIR]   simulated requests per wall second at
+                                                      64, 256 and 1,000 workers (--requests each)
+    python -m bench.sim.studies routing [--out DIR]   64 prefill + 16 decode workers, a multi-turn
+                                                      trace with shared prefixes: cached-token
+                                                      ratio and TTFT p50/p90 for kv, round-robin
+                                                      and random, and the same with 8 decode
+                                                      workers lost at mid-run
+
+Each writes `study_<name>.json` and prints its table. Every number is SIMULATED (H100, Llama
+3.1 8B, fp8 KV, RDMA-class link, from the planner's model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+COMMON = ["--sim-system", "h100_sxm", "--sim-model", "meta-llama/Llama-3.1-8B-Instruct", "--network", "rdma",
+          "--max-concurrent-requests", "100000", "--max-queued-requests", "100000", "--ui-type", "none"]
+
+
+def _run(argv: list[str], out: Path) -> tuple[dict[str, Any], dict[str, Any], float]:
+    """One simulation: (its profile_export_aiperf.json, sim_workers.json, wall seconds)."""
+    from bench.loadgen.config import config_from_args
+    from bench.sim.cli import add_command
+    from bench.sim.options import spec_from_args
+    from bench.sim.run import simulate, write
+
+    sub = argparse.ArgumentParser(prog="pdserve").add_subparsers()
+    add_command(sub)
+    args = sub.choices["sim"].parse_args([*COMMON, *argv, "--artifact-dir", str(out)])
+    cfg = config_from_args(args, "pdserve sim " + " ".join(argv))
+    t0 = time.monotonic()
+    result, stats = simulate(cfg, spec_from_args(args), progress=False)
+    wall = time.monotonic() - t0
+    write(result, stats)
+    doc = json.loads((out / "profile_export_aiperf.json").read_text())
+    return doc, stats["workers"], wall
+
+
+def speed(out: Path, requests: int) -> dict[str, Any]:
+    rows = {}
+    for workers in (64, 256, 1000):
+        p, d = workers // 4, workers - workers // 4
+        argv = ["--mode", "disagg", "--prefill", str(p), "--decode", str(d), "--isl", "1000", "--isl-stddev", "300",
+                "--osl", "100", "--osl-stddev", "30", "--request-rate", str(5 * workers), "--num-requests",
+                str(requests)]
+        doc, _, wall = _run(argv, out / f"speed-{workers}")
+        rows[workers] = {"layout": f"{p}P+{d}D", "requests": requests, "wall_s": round(wall, 1),
+                         "requests_per_wall_s": round(requests / wall, 1),
+                         "simulated_s": doc["simulation"]["virtual_seconds"], "argv": argv}
+        print(f"{workers:>5} workers ({p}P+{d}D): {requests} requests in {wall:.1f} s wall "
+              f"({requests / wall:,.0f} simulated requests per wall second)", flush=True)
+    return rows
+
+
+def routing(out: Path, requests: int) -> dict[str, Any]:
+    trace = ["--mode", "disagg", "--prefill", "64", "--decode", "16", "--num-prefix-prompts", "32",
+             "--prefix-prompt-length", "2000", "--isl", "2500", "--isl-stddev", "500", "--osl", "150",
+             "--osl-stddev", "50", "--conversation-turn-mean", "3", "--conversation-turn-delay-mean", "2000",
+             "--request-rate", "20", "--num-requests", str(requests), "--random-seed", "5"]
+    rows = {}
+    first = None
+    for lost in (False, True):
+        for mode in ("kv", "round-robin", "random"):
+            argv = [*trace, "--router-mode", mode]
+            if lost:
+                argv += ["--kill", f"{(first or 60.0) / 2:.1f}:decode:8"]
+            doc, workers, wall = _run(argv, out / f"routing-{mode}{'-lost8' if lost else ''}")
+            if first is None:
+                first = doc["benchmark_duration"]["avg"]
+            pre = [w for w in workers.values() if w["role"] == "prefill"]
+            cached = sum(w["prompt_tokens_cached"] for w in pre)
+            computed = sum(w["prompt_tokens_computed"] for w in pre)
+            ttft = doc["time_to_first_token"]
+            key = f"{mode}{' (8 decode lost at mid-run)' if lost else ''}"
+            rows[key] = {"cached_token_ratio": round(cached / max(1, cached + computed), 4),
+                         "ttft_p50_ms": round(ttft["p50"], 1), "ttft_p90_ms": round(ttft["p90"], 1),
+                         "errors": doc.get("error_request_count", {}).get("avg", 0),
+                         "requests": doc["request_count"]["avg"], "wall_s": round(wall, 1), "argv": argv}
+            r = rows[key]
+            print(f"{key:<40} cached {r['cached_token_ratio']:.3f}  TTFT p50 {r['ttft_p50_ms']:>8.1f} ms  "
+                  f"p90 {r['ttft_p90_ms']:>8.1f} ms  errors {r['errors']:.0f}", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.sim.studies", description=__doc__.split("\n\n")[0])
+    ap.add_argument("study", choices=["speed", "routing"])
+    ap.add_argument("--out", default="artifacts/sim_studies")
+    ap.add_argument("--requests", type=int, default=None,
+                    help="requests per run (default: speed 100000, routing 20000)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    gc.disable()
+    print(f"SIMULATED study {args.study!r} (pdserve sim; planner step times, H100, Llama 3.1 8B)", flush=True)
+    if args.study == "speed":
+        rows = speed(out, args.requests or 100_000)
+    else:
+        rows = routing(out, args.requests or 20_000)
+    (out / f"study_{args.study}.json").write_text(json.dumps({"simulated": True, "rows": rows}, indent=1) + "\n")
+    print(f"written: {out / f'study_{args.study}.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
