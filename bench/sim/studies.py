@@ -15,7 +15,9 @@ Each writes `study_<name>.json` and prints its table. Every number is SIMULATED 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import io
 import json
 import sys
 import time
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 COMMON = ["--sim-system", "h100_sxm", "--sim-model", "meta-llama/Llama-3.1-8B-Instruct", "--network", "rdma",
+          "--max-model-len", "32768",
           "--max-concurrent-requests", "100000", "--max-queued-requests", "100000", "--ui-type", "none"]
 
 
@@ -40,7 +43,8 @@ def _run(argv: list[str], out: Path) -> tuple[dict[str, Any], dict[str, Any], fl
     t0 = time.monotonic()
     result, stats = simulate(cfg, spec_from_args(args), progress=False)
     wall = time.monotonic() - t0
-    write(result, stats)
+    with contextlib.redirect_stdout(io.StringIO()):  # each run's console table: in its artifact dir
+        write(result, stats)
     doc = json.loads((out / "profile_export_aiperf.json").read_text())
     return doc, stats["workers"], wall
 
