@@ -37,7 +37,6 @@ class OfflineEngine(SimEngine):
         self.on_token = on_token
         self.busy = False
         self.stopped = False
-        self.slowdown = 1.0  # a fault: steps take this many times longer
         self.busy_s = 0.0  # virtual seconds spent in steps
         # request id -> where its tokens' times go (the client's view); `on_token` is called
         # only for a request's first token and its last, the ones the cluster acts on.
@@ -52,7 +51,7 @@ class OfflineEngine(SimEngine):
         if not batch:
             return
         self.busy = True
-        dt = self.step_time(batch) * self.slowdown
+        dt = self.step_time(batch)
         self.busy_s += dt
         self.loop.after(dt, self._done, batch)
 

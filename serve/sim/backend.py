@@ -116,6 +116,20 @@ class SimBackend:
         if self.events is not None:
             self.events.close()
 
+    def routes(self) -> list:
+        """The simulated worker's own route: `POST /sim/fault` (serve.sim.faults)."""
+        from serve.sim import faults
+
+        return faults.routes(self)
+
+    async def kill(self) -> None:
+        """A fault: the engine dies, its side channel goes silent; the process lives on."""
+        if self.engine is not None:
+            self.engine.kill()
+        if self.holder is not None:
+            holder, self.holder = self.holder, None
+            await holder.stop()
+
     def shutdown(self) -> None:
         """Synchronous part of the stop (the worker's lifespan awaits `stop` first when it can)."""
         if self.events is not None:

@@ -107,6 +107,7 @@ class SimEngine:
         self.counters = StepCounters()
         # A finished request marked `hold`: keep its blocks, return its transfer params.
         self.on_finished: Callable[[SimRequest], TransferParams | None] | None = None
+        self.slowdown = 1.0  # a fault (`POST /sim/fault` slow_step): steps take this many times longer
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self.dead: BaseException | None = None
@@ -171,6 +172,14 @@ class SimEngine:
                 req.external = req.computed - cached
                 self.table.commit(req.request_id, req.prompt[:req.computed])
         self._wake.set()
+
+    def kill(self, reason: str = "killed by fault injection") -> None:
+        """The engine dies (a fault): every request ends in an error, nothing runs again."""
+        self.dead = RuntimeError(reason)
+        if self._task is not None:
+            self._task.cancel()
+        for req in list(self.requests.values()):
+            self._finish(req, "error")
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
@@ -270,7 +279,7 @@ class SimEngine:
         divided by the speed-up (`--sim-speedup`: modelled step times only)."""
         decodes = [len(r.prompt) + len(r.output) for r, n in batch if not r.in_prefill]
         chunks = [(r.computed, n) for r, n in batch if r.in_prefill]
-        return self.step_model.step_seconds(decodes, chunks) / self.cfg.speedup
+        return self.step_model.step_seconds(decodes, chunks) / self.cfg.speedup * self.slowdown
 
     def complete(self, batch: list[tuple[SimRequest, int]]) -> None:
         """The step is over: apply its prefill progress, sample its tokens. The offline

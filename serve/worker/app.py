@@ -308,4 +308,7 @@ def build_app(worker: Worker) -> FastAPI:
     app.add_api_route("/metrics", worker.get_metrics, methods=["GET"])
     app.add_api_route("/live", worker.live, methods=["GET"])
     app.add_api_route("/internal/drain", worker.drain, methods=["POST"])
+    # Routes of the backend's own (a simulated worker's fault injection), behind the same gate.
+    for path, endpoint, methods in getattr(worker.backend, "routes", lambda: [])():
+        app.add_api_route(path, endpoint, methods=methods)
     return app
