@@ -28,8 +28,9 @@ def block_hashes(token_ids: Sequence[int], block_size: int, parent: int = ROOT) 
     full = len(token_ids) // block_size
     if not full:
         return out
-    data = memoryview(array("I", token_ids[:full * block_size]).tobytes())
-    step = 4 * block_size
+    packed = array("I", token_ids[:full * block_size])
+    data = memoryview(packed.tobytes())
+    step = packed.itemsize * block_size
     for start in range(0, full * step, step):
         h = blake2b(parent.to_bytes(8, "little"), digest_size=8)
         h.update(data[start:start + step])

@@ -104,13 +104,20 @@ class PrefillRouter:
         # can be: this is the hot loop at 1,000 workers) and the costs are offset for display.
         rel = list(map(_INFLIGHT_PREFILL, candidates))
         if overlaps:
-            ids = list(map(_WORKER_ID, candidates))
-            for wid, o in overlaps.items():
-                if o:
-                    try:
-                        rel[ids.index(wid)] -= w * o
-                    except ValueError:  # holds blocks but is no candidate
-                        pass
+            get = overlaps.get
+            if len(overlaps) * 8 < len(candidates):  # few holders: find them (in C) among the candidates
+                ids = list(map(_WORKER_ID, candidates))
+                for wid, o in overlaps.items():
+                    start = 0
+                    while True:  # every candidate of that id (ids are unique from the frontend)
+                        try:
+                            i = ids.index(wid, start)
+                        except ValueError:  # no (more) candidate holding these blocks
+                            break
+                        rel[i] -= w * o
+                        start = i + 1
+            else:
+                rel = [r - w * get(c[0], 0) for r, c in zip(rel, candidates)]
         if self.mode == "round-robin":
             i = next(self._rr) % len(candidates)
         elif self.mode == "random":

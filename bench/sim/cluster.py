@@ -99,6 +99,7 @@ class OfflineCluster:
         self.flows: dict[str, Flow] = {}
         self.active = 0
         self.queue: deque[Flow] = deque()
+        self._draining = False
         self.finished = 0
         self.recomputes = 0  # decode workers that computed a prompt whose KV could not be read
         self.tp = tp
@@ -119,6 +120,8 @@ class OfflineCluster:
             self._token(w, req)
 
         engine = OfflineEngine(self.cfg, step_model, table, self.loop, on_token)
+        if role == "prefill":
+            engine.on_finished = lambda req: None  # the holder keeps the blocks until the READ is done
         w = SimWorker(url, role, engine, table)
         self.workers[url] = w
         info = p.WorkerInfo(worker_id=url.rsplit("/", 1)[-1], role=role, url=url, model=MODEL,  # type: ignore[arg-type]
@@ -138,8 +141,10 @@ class OfflineCluster:
         w.alive = False
         w.engine.stopped = True
         for flow in [f for f in self.flows.values() if w in (f.prefill, f.decode)]:
-            if flow.decode is w:
+            if flow.decode is w and (url, "decode") in flow.reserved:
                 self._fail(flow, 502, "worker_error", f"worker {url} died")
+            elif flow.decode is w:
+                pass  # not contacted yet (its prefill runs elsewhere): its send finds it dead and retries
             elif not flow.times:
                 # Its prefill worker died mid-prefill: the decode worker computes the prompt
                 # itself (the frontend's fallback), with the whole answer to generate.
@@ -311,7 +316,15 @@ class OfflineCluster:
         flow.isl, flow.prompt = len(flow.prompt), []
         if self.flows.pop(flow.request_id, None) is not None:
             self.active -= 1
-            while self.queue and self.active < self.settings.max_active_requests:
-                self._start(self.queue.popleft())
+            if self.queue and not self._draining:
+                # Queued requests start from the loop, not from here: a start that fails at once
+                # would otherwise end, and start the next, one call deeper each time.
+                self._draining = True
+                self.loop.at(self.loop.now, self._drain)
         self.finished += 1
         flow.on_done(flow)
+
+    def _drain(self) -> None:
+        self._draining = False
+        while self.queue and self.active < self.settings.max_active_requests:
+            self._start(self.queue.popleft())

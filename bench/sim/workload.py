@@ -173,13 +173,15 @@ class Driver:
         self._turn(s, 0, [], closed=False)
 
     def _session_done(self, closed: bool) -> None:
+        # The next session starts from the loop, not from here: a request that fails at once
+        # would otherwise start the next one call deeper each time.
         if closed:
-            self._next_closed()
+            self.loop.at(self.loop.now, self._next_closed)
         elif self.cfg.concurrency:
             self.free_slots += 1
             if self.waiting_sessions:
                 self.free_slots -= 1
-                self._turn(self.waiting_sessions.pop(0), 0, [], closed=False)
+                self.loop.at(self.loop.now, self._turn, self.waiting_sessions.pop(0), 0, [], False)
 
     def _turn(self, s: SimSession, t: int, history: list[int], closed: bool) -> None:
         if t >= len(s.turns) or self.sent >= self.limit or self.loop.now >= self.deadline:

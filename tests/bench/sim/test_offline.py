@@ -236,3 +236,50 @@ def test_every_flow_ends_even_when_nothing_can_serve_it(tmp_path):
     cluster.submit(Flow("big", 0, 0, list(range(1000, 1200)), 10, 1, 0.0, done.append))  # cannot fit 4 blocks
     loop.run()
     assert len(done) == 1 and done[0].error[0] == 400
+
+
+def test_the_decode_waits_for_the_read_of_the_held_blocks():
+    """A split request's second token comes after the READ of every held block: the prefill
+    worker holds them until then (bytes over the link's bandwidth plus its latency)."""
+    loop = Loop()
+    settings = FrontendSettings(model="sim", served_model_name="sim", block_size=16)
+    cfg = SimConfig(num_blocks=100, block_size=16, max_num_batched_tokens=512)
+    cluster = OfflineCluster(loop, settings, ["prefill", "decode"], cfg, ConstantStep(0.005), 10**6, Link(1.0, 0.002))
+    pw = next(w for w in cluster.workers.values() if w.role == "prefill")
+    held = []
+    loop.at(0.0101, lambda: held.append(pw.table.used_blocks))  # after the prefill's token, before the READ ends
+    done: list[Flow] = []
+    cluster.submit(Flow("r", 0, 0, list(range(1000, 1200)), 4, 1, 0.0, done.append))
+    loop.run()
+    (flow,) = done
+    blocks = -(-200 // 16)
+    read = 0.002 + blocks * 10**6 / 1e9
+    assert flow.error is None and held == [blocks]
+    assert flow.times[1] - flow.times[0] >= read  # the READ, then the decode's first step
+    assert pw.table.used_blocks == 0  # freed once read
+
+
+def test_killing_a_decode_worker_not_yet_contacted_only_reroutes(tmp_path):
+    """Requests still prefilling elsewhere lose nothing when their planned decode worker dies:
+    their hand-off finds it unreachable and takes the next one (the frontend's retry)."""
+    roles = ["prefill", "decode", "decode"]
+    spec = _spec(roles)
+    spec.step_model = LinearStep(0.001, 1e-3, 1e-4, 0)  # 2,000-token prompts take ~2 s each to prefill
+    spec.faults = [Fault(0.5, "decode", 1)]
+    cfg = _cfg(tmp_path, num_requests=4, concurrency=4, isl=2000, osl=10)
+    result, _ = simulate(cfg, spec, progress=False)
+    assert [r.ok for r in result.records] == [True] * 4, [r.error for r in result.records]
+
+
+def test_a_queue_that_fails_at_once_ends_without_recursion():
+    loop = Loop()
+    settings = FrontendSettings(model="sim", served_model_name="sim", block_size=16)
+    cluster = OfflineCluster(loop, settings, ["agg"], SimConfig(num_blocks=1000, block_size=16), ConstantStep(0.01),
+                             1024, Link())
+    done: list[Flow] = []
+    for i in range(1024):  # 512 served, 512 queued
+        cluster.submit(Flow(f"r{i}", i, 0, list(range(1000, 1020)), 50, i, 0.0, done.append))
+    loop.at(0.001, cluster.kill, "http://sim-agg-0:8100")
+    loop.run()
+    assert len(done) == 1024 and all(f.error is not None for f in done)
+    assert {f.error[0] for f in done} <= {502, 503}
