@@ -14,8 +14,8 @@ import signal
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Any
 from multiprocessing.connection import wait as mp_wait
+from typing import Any
 
 from bench.loadgen.config import ProfileConfig
 from bench.loadgen.dataset import PlanBuilder, Session

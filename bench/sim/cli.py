@@ -37,7 +37,8 @@ def add_command(sub: argparse._SubParsersAction) -> None:
             action.default = "sim"
     c = s.add_argument_group("simulated cluster")
     c.add_argument("--mode", choices=["agg", "disagg"], default="agg")
-    c.add_argument("--workers", dest="agg_workers", type=int, default=1, help="agg mode: aggregated workers (default: 1)")
+    c.add_argument("--workers", dest="agg_workers", type=int, default=1,
+                   help="agg mode: aggregated workers (default: 1)")
     c.add_argument("--prefill", type=int, default=1, help="disagg mode: prefill workers (default: 1)")
     c.add_argument("--decode", type=int, default=1, help="disagg mode: decode workers (default: 1)")
     flags.add_router(c)

@@ -258,7 +258,8 @@ class OfflineCluster:
                 w.engine.kick()
                 self._end(flow)
                 return
-            nbytes = len(w.table.blocks_of(req.request_id)) * self.bytes_per_block if w.table.holds(req.request_id) else 0
+            held = w.table.blocks_of(req.request_id) if w.table.holds(req.request_id) else []
+            nbytes = len(held) * self.bytes_per_block
             self._send_decode(flow, flow.prompt + req.output, flow.osl - 1, remote_tokens=len(flow.prompt))
             if flow.request_id in self.flows:
                 self.loop.after(transfer_seconds(nbytes, self.link.bandwidth_gbps, self.link.latency_s), self._loaded,

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
 
 from router.errors import NoCandidates
 from router.filters import compatible_with, eligible
@@ -58,7 +57,8 @@ class Routing:
         self.router = PrefillRouter(settings.block_size, settings.router_mode, settings.kv_overlap_score_weight,
                                     settings.router_temperature, settings.use_kv_events)
         # Caches for decisions at scale (see `eligible`, `_candidates`).
-        self._eligible: dict[tuple, Any] = {}  # roles -> entries; ("compatible", ...) -> (entries, subset)
+        self._eligible: dict[tuple[str, ...], list[WorkerEntry]] = {}  # roles -> entries
+        self._compat: dict[tuple, tuple[list[WorkerEntry], list[WorkerEntry]]] = {}  # -> (entries, compatible)
         self._views_key: tuple[int, int] = (-1, -1)
         self._views_horizon = float("inf")
         self._cands: dict[int, tuple] = {}
@@ -74,6 +74,7 @@ class Routing:
         now = self.pool.clock()
         if (WorkerEntry.version, len(self.pool.workers)) != self._views_key or now >= self._views_horizon:
             self._eligible.clear()
+            self._compat.clear()
             self._views_key = (WorkerEntry.version, len(self.pool.workers))
             self._views_horizon = min((e.lease_expiry for e in self.pool.workers.values()
                                        if e.lease_expiry > now), default=float("inf"))
@@ -88,19 +89,20 @@ class Routing:
         """The entries that can exchange KV with `peer` (cached with the eligible lists, per KV
         layout: block size and dtype)."""
         pv = peer.view()
-        key = ("compatible", id(entries), pv.block_size, pv.kv_cache_dtype)
-        cached = self._eligible.get(key)  # type: ignore[call-overload]
+        key = (id(entries), pv.block_size, pv.kv_cache_dtype)
+        cached = self._compat.get(key)
         if cached is not None and cached[0] is entries:
             return cached[1]
         out = [self.pool.workers[v.worker_id] for v in compatible_with((e.view() for e in entries), pv)]
         if len(out) == len(entries):
             out = entries  # all compatible (the common case): the cached list itself
         if self._is_cached(entries):
-            self._eligible[key] = (entries, out)  # type: ignore[index]
+            self._compat[key] = (entries, out)
         return out
 
     def _is_cached(self, entries: list[WorkerEntry]) -> bool:
-        return any(entries is v or (isinstance(v, tuple) and entries is v[1]) for v in self._eligible.values())
+        """A list this routing keeps (so its candidates may be kept with it)."""
+        return any(entries is v for v in self._eligible.values()) or any(entries is c for _, c in self._compat.values())
 
     def _candidate(self, e: WorkerEntry) -> Candidate:
         load = e.load
