@@ -61,8 +61,8 @@ class WorkerSettings:
         w.add_argument("--engine", choices=["vllm", "sim"], default=os.environ.get("PDSERVE_ENGINE", "vllm"),
                        help="vllm: a real vLLM engine; sim: a simulated engine (the same worker protocol, no vLLM, "
                             "every output labelled simulated; its engine options are a subset of vLLM's plus "
-                            "--sim-step-model or --sim-profile FILE (pdserve.profile/1), --sim-speedup, --sim-startup-s, "
-                            "--sim-kv-bandwidth-gbps, --sim-kv-latency-ms, --sim-eos-rate) (default: vllm; env "
+                            "--sim-step-model or --sim-profile FILE (pdserve.profile/1), --sim-speedup, "
+                            "--sim-startup-s, --sim-kv-bandwidth-gbps, --sim-kv-latency-ms, --sim-eos-rate) (default: vllm; env "
                             "PDSERVE_ENGINE)")
         w.add_argument("--replicas", type=int, default=1,
                        help="--engine sim: run N simulated workers in this process, on ports --port .. --port+N-1 "
