@@ -72,7 +72,7 @@ class Servers:
         names = {c.popen.pid: c.name for c in self.children}
         try:
             wait_until_ready(url, [c.popen for c in self.children], timeout,
-                             on_exit=lambda p: f" ({names.get(p.pid, '?')})")
+                             on_exit=lambda p: f" ({names.get(p.pid, '?')})", poll_s=0.1)
         except (ChildExited, TimeoutError) as e:
             raise PerfError(f"{child.name}: {e}; its log: {self.log.name}") from None
 

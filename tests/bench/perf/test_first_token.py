@@ -15,7 +15,7 @@ def test_first_token_benchmark_on_simulated_workers(tmp_path):
     out = tmp_path / "ft"
     proc = subprocess.run([sys.executable, "-m", "serve.cli", "bench", "first-token", "--engine", "sim",
                            "--isl", "64", "--osl", "4", "--requests", "2", "--concurrency-high", "2",
-                           "--sim-step-model", "constant:0.01", "--out", str(out)],
+                           "--sim-step-model", "constant:0.002", "--out", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "SIMULATED" in proc.stdout
