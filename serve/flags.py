@@ -73,15 +73,30 @@ def add_router(p: argparse.ArgumentParser) -> None:
                    help="0 picks the lowest cost; > 0 samples by softmax of -cost (default: 0)")
     p.add_argument("--no-kv-events", action="store_true",
                    help="route from the router's own decisions (approximate prefix index) instead of workers' KV events")
-    p.add_argument("--conditional-disagg-tokens", type=int, default=0,
+    p.add_argument("--conditional-disagg-tokens", type=conditional_disagg, default=0, metavar="N|auto",
                    help="skip the prefill stage when the prompt's uncached part on the decode worker is below N "
-                        "tokens; 0 always splits (default: 0)")
+                        "tokens; 0 always splits; auto: when moving its KV (measured bandwidth and latency to the "
+                        "prefill worker, plus that worker's queue) costs more than the decode worker's own prefill "
+                        "(measured) (default: 0)")
     p.add_argument("--prefill-timeout", type=float, default=60.0,
                    help="seconds a prefill may take before the decode worker prefills locally (default: 60)")
     p.add_argument("--first-token-from", choices=["prefill", "decode"], default="prefill",
                    help="disaggregated requests: stream the prefill worker's first token at once and have the "
                         "decode worker continue after it (prefill), or have the decode worker regenerate it "
                         "(decode, the old path); seeded requests always take the decode path (default: prefill)")
+
+
+def conditional_disagg(value: str) -> int | str:
+    """`--conditional-disagg-tokens`: a token count >= 0, or "auto"."""
+    if value == "auto":
+        return "auto"
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or auto, got {value!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected a token count >= 0 or auto, got {n}")
+    return n
 
 
 def router_flags(args: argparse.Namespace) -> list[str]:

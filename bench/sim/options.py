@@ -13,7 +13,7 @@ from bench.sim.errors import SimError
 from bench.sim.flags import ENGINE_FLAGS, engine_dest
 from bench.sim.run import Fault, SimSpec
 from serve.errors import ConfigError, PdserveError
-from serve.frontend.settings import FrontendSettings
+from serve.frontend.settings import FrontendSettings, conditional_tokens
 from serve.sim.config import parse_sim_options
 
 MAX_WORKERS = 100_000
@@ -126,7 +126,8 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
                                     max_queued_requests=args.max_queued_requests, router_mode=args.router_mode,
                                     kv_overlap_score_weight=args.kv_overlap_score_weight,
                                     router_temperature=args.router_temperature, use_kv_events=not args.no_kv_events,
-                                    conditional_disagg_tokens=args.conditional_disagg_tokens,
+                                    conditional_disagg_tokens=conditional_tokens(args),
+                                    conditional_disagg_auto=args.conditional_disagg_tokens == "auto",
                                     block_size=opts.engine.block_size)
     except PdserveError as exc:
         raise SimError(str(exc)) from None

@@ -8,6 +8,15 @@
                                                       and random, and the same with 8 decode
                                                       workers lost at mid-run
 
+    python -m bench.sim.studies conditional [--out DIR]
+                                                      4 prefill + 4 decode workers, a mixed trace
+                                                      (half short chats, half long documents):
+                                                      TTFT, time to second token and output
+                                                      tokens/s per GPU for always split, a fixed
+                                                      threshold and --conditional-disagg-tokens
+                                                      auto, on a TCP-class (1 GB/s) and an
+                                                      RDMA-class link
+
 Each writes `study_<name>.json` and prints its table. Every number is SIMULATED (H100, Llama
 3.1 8B, fp8 KV, RDMA-class link, from the planner's model).
 """
@@ -95,12 +104,87 @@ def routing(out: Path, requests: int) -> dict[str, Any]:
     return rows
 
 
+def mixed_trace(path: Path, requests: int, rate: float, seed: int = 11) -> None:
+    """Half short chats (ISL ~300), half long documents (ISL ~8,000), OSL ~200, Poisson
+    arrivals at `rate`/s: a Mooncake-style JSONL trace (no shared prefixes)."""
+    import random
+
+    rng = random.Random(seed)
+    t = 0.0
+    with path.open("w") as f:
+        for i in range(requests):
+            t += rng.expovariate(rate)
+            isl = max(32, int(rng.gauss(300, 100))) if i % 2 == 0 else max(2048, int(rng.gauss(8000, 1500)))
+            f.write(json.dumps({"timestamp": int(t * 1000), "input_length": isl,
+                                "output_length": max(16, int(rng.gauss(200, 50)))}) + "\n")
+
+
+LINKS = {"tcp-class (1 GB/s, 1 ms per READ)": ["--sim-kv-bandwidth-gbps", "1", "--sim-kv-latency-ms", "1"],
+         "rdma-class (45 GB/s, 0.05 ms per READ)": ["--sim-kv-bandwidth-gbps", "45", "--sim-kv-latency-ms", "0.05"]}
+POLICIES = {"always split": "0", "fixed threshold 1024": "1024", "auto": "auto"}
+
+
+def conditional(out: Path, requests: int) -> dict[str, Any]:
+    trace = out / "mixed_trace.jsonl"
+    mixed_trace(trace, requests, rate=14.0)
+    layout = ["--mode", "disagg", "--prefill", "4", "--decode", "4"]
+    gpus = 8
+    rows = {}
+    for link, link_argv in LINKS.items():
+        for policy, value in POLICIES.items():
+            argv = [*layout, *link_argv, "--input-file", str(trace), "--fixed-schedule",
+                    "--conditional-disagg-tokens", value]
+            name = f"conditional-{link.split()[0]}-{value}"
+            doc, workers, wall = _run(argv, out / name)
+            paths = doc["simulation"].get("paths", {})
+            ttft, ttst, itl = doc["time_to_first_token"], doc["time_to_second_token"], doc["inter_token_latency"]
+            key = f"{link}: {policy}"
+            rows[key] = {"ttft_p50_ms": round(ttft["p50"], 1), "ttft_p90_ms": round(ttft["p90"], 1),
+                         "ttst_p50_ms": round(ttst["p50"], 1), "ttst_p90_ms": round(ttst["p90"], 1),
+                         "itl_p90_ms": round(itl["p90"], 2),
+                         "output_tps_per_gpu": round(doc["output_token_throughput"]["avg"] / gpus, 1),
+                         "split_share": round(paths.get("disagg", 0) / max(1, sum(paths.values())), 3),
+                         "errors": doc.get("error_request_count", {}).get("avg", 0),
+                         "requests": doc["request_count"]["avg"], "wall_s": round(wall, 1), "argv": argv}
+            r = rows[key]
+            r.update(_by_class(out / name / "profile_export.jsonl"))
+            print(f"{key:<60} TTFT p50 {r['ttft_p50_ms']:>7.1f} p90 {r['ttft_p90_ms']:>7.1f} ms  TTST p50 "
+                  f"{r['ttst_p50_ms']:>7.1f} p90 {r['ttst_p90_ms']:>7.1f} ms  ITL p90 {r['itl_p90_ms']:>6.2f} ms  "
+                  f"{r['output_tps_per_gpu']:>7.1f} tok/s/GPU  split {r['split_share']:.2f}", flush=True)
+            print(f"{'':<60} short chats: TTFT p50 {r['short']['ttft_p50_ms']:>7.1f} p90 {r['short']['ttft_p90_ms']:>7.1f}"
+                  f" ms, TTST p90 {r['short']['ttst_p90_ms']:>7.1f} ms; long documents: TTFT p50 "
+                  f"{r['long']['ttft_p50_ms']:>7.1f} p90 {r['long']['ttft_p90_ms']:>7.1f} ms, TTST p90 "
+                  f"{r['long']['ttst_p90_ms']:>7.1f} ms", flush=True)
+    return rows
+
+
+def _by_class(records: Path) -> dict[str, Any]:
+    """TTFT and time to second token p50/p90 of the short (ISL < 2,000) and the long requests
+    apart: the mixed trace's percentiles over both fall between the two modes."""
+    import statistics
+
+    got: dict[str, dict[str, list[float]]] = {"short": {"ttft": [], "ttst": []}, "long": {"ttft": [], "ttst": []}}
+    for line in records.read_text().splitlines():
+        m = json.loads(line).get("metrics") or {}
+        if "time_to_first_token" not in m:
+            continue
+        c = got["short" if m["input_sequence_length"]["value"] < 2000 else "long"]
+        c["ttft"].append(m["time_to_first_token"]["value"])
+        if "time_to_second_token" in m:
+            c["ttst"].append(m["time_to_second_token"]["value"])
+
+    def q(v: list[float], p: int) -> float:
+        return round(statistics.quantiles(v, n=100, method="inclusive")[p - 1], 1) if len(v) > 1 else float("nan")
+
+    return {k: {f"{m}_p{p}_ms": q(v[m], p) for m in ("ttft", "ttst") for p in (50, 90)} for k, v in got.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.sim.studies", description=__doc__.split("\n\n")[0])
-    ap.add_argument("study", choices=["speed", "routing"])
+    ap.add_argument("study", choices=["speed", "routing", "conditional"])
     ap.add_argument("--out", default="artifacts/sim_studies")
     ap.add_argument("--requests", type=int, default=None,
-                    help="requests per run (default: speed 100000, routing 20000)")
+                    help="requests per run (default: speed 100000, routing 20000, conditional 4000)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -108,8 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"SIMULATED study {args.study!r} (pdserve sim; planner step times, H100, Llama 3.1 8B)", flush=True)
     if args.study == "speed":
         rows = speed(out, args.requests or 100_000)
-    else:
+    elif args.study == "routing":
         rows = routing(out, args.requests or 20_000)
+    else:
+        rows = conditional(out, args.requests or 4_000)
     (out / f"study_{args.study}.json").write_text(json.dumps({"simulated": True, "rows": rows}, indent=1) + "\n")
     print(f"written: {out / f'study_{args.study}.json'}")
     return 0

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import httpx
@@ -90,9 +90,10 @@ class Generation:
         if plan.prefill is not None:
             timing.start("prefill")
             done = await self._prefill(plan, request_id, prompt_ids, sampling, deadline, keep_first)
-            timing.stop("prefill")
+            took = timing.stop("prefill")
             if done is not None:
                 kv_transfer, prefill_cached = done.params, done.cached
+                self.routing.costs.observe_prefill(plan.prefill.url, len(prompt_ids) - done.cached, took)
         elif plan.is_fallback:
             self.metrics.prefill_fallbacks.labels("no_prefill_worker").inc()
         self._observe_plan(plan)
@@ -125,7 +126,8 @@ class Generation:
                     with self.routing.load.reserve(worker.url, "decode", plan.prompt_blocks):
                         handed_over = True
                         async for event in self._stream(worker, request_id, body, detok, deadline, len(prompt_ids),
-                                                        first, timing, after_prefill=plan.prefill is not None):
+                                                        first, timing, after_prefill=plan.prefill is not None,
+                                                        observe=self._observer(plan, worker, kv_transfer)):
                             started = True
                             if event.finish_reason is not None and prefill_cached is not None:
                                 # The decode engine counts transferred tokens as cached; the client's
@@ -147,6 +149,20 @@ class Generation:
                 # worker had the request: free the prefill's blocks now, not at lease end.
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._release(plan.prefill, request_id))
+
+    def _observer(self, plan: RoutePlan, worker: WorkerEntry,
+                  kv_transfer: TransferParams | None) -> Callable[[float, float], None] | None:
+        """What the decode stream's first token tells the split estimates (`router.split`):
+        with remote KV, its wait for the bytes it read from the holder; without, the worker's
+        own prefill of the prompt's uncached part (a conditional or fallback path)."""
+        costs = self.routing.costs
+        if kv_transfer is not None and plan.prefill is not None:
+            holder, nbytes = plan.prefill.url, plan.transfer_bytes
+            return lambda took, kv_load_s: costs.observe_transfer(holder, nbytes, min(took, kv_load_s))
+        if plan.reason != "agg" and worker is plan.decode:  # another worker's (a retry's) cache is unknown here
+            tokens = plan.uncached_tokens
+            return lambda took, kv_load_s: costs.observe_prefill(worker.url, tokens, took)
+        return None
 
     def _first_token(self, timing: RequestTiming, at: float) -> None:
         timing.first_token(at)
@@ -243,7 +259,8 @@ class Generation:
 
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,
                       deadline: float, n_prompt: int, first: _First, timing: RequestTiming,
-                      after_prefill: bool) -> AsyncIterator[TextEvent]:
+                      after_prefill: bool,
+                      observe: Callable[[float, float], None] | None = None) -> AsyncIterator[TextEvent]:
         """One worker's stream, after the tokens `first` already gave the client (the
         prefill's). A retry on another worker happens only before this stream's first token
         (`run`), so TTFT is observed once per request."""
@@ -288,6 +305,9 @@ class Generation:
                     now = time.monotonic()
                     is_first = False
                     if delta.token_ids:
+                        if observe is not None:  # this worker's first token (after the prefill's, if any)
+                            observe(now - sent, kv_load_s)
+                            observe = None
                         if first_token_at is None:
                             first_token_at = now
                             is_first = True

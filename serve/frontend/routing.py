@@ -7,7 +7,9 @@ the router scores the rest with what the pool polled and what the load tracker h
 
 With prefill workers in rotation a request is split: the router picks a decode worker (load)
 and a prefill worker (KV overlap and load). With `conditional_disagg_tokens` N > 0, a prompt
-whose uncached part on the chosen decode worker is below N tokens skips the prefill stage.
+whose uncached part on the chosen decode worker is below N tokens skips the prefill stage;
+with `conditional_disagg_auto` it skips it when moving the KV costs more than the decode
+worker's own prefill would (`router.split`, from the transfers and prefills measured here).
 Decode workers without any (compatible) prefill worker run prefill locally (a fallback);
 with only aggregated workers the request runs on the least-loaded one (aggregated mode).
 """
@@ -15,12 +17,13 @@ with only aggregated workers the request runs on the least-loaded one (aggregate
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.errors import NoCandidates
 from router.filters import compatible_with, eligible
 from router.load import LoadTracker
 from router.router import Candidate, Decision, PrefillRouter
+from router.split import SplitCosts, SplitEstimate, decide
 from serve import protocol as p
 from serve.errors import NoWorkerAvailable
 from serve.frontend.pool import WorkerEntry, WorkerPool
@@ -36,6 +39,10 @@ class RoutePlan:
     reason: str = "agg"  # agg | disagg | conditional | no-prefill-worker
     prefill_decision: Decision | None = None
     decode_decision: Decision | None = None
+    transfer_bytes: int = 0  # split requests: what the decode worker reads (its uncached blocks' bytes)
+    uncached_tokens: int = 0  # the prompt's tokens not cached on the decode worker (the router's view)
+    split: SplitEstimate | None = None  # --conditional-disagg-tokens auto: the estimates behind the choice
+    split_why: str = ""
 
     @property
     def is_fallback(self) -> bool:
@@ -62,6 +69,7 @@ class Routing:
         self._views_key: tuple[int, int] = (-1, -1)
         self._views_horizon = float("inf")
         self._cands: dict[int, tuple] = {}
+        self.costs = SplitCosts()  # measured transfers and prefills (auto conditional disaggregation)
 
     # -- filter stage -----------------------------------------------------------------
     def eligible(self, roles: Collection[str], exclude: Collection[str] = ()) -> list[WorkerEntry]:
@@ -164,7 +172,7 @@ class Routing:
         chosen = self.pool.workers[dd.worker_id]
         plan = RoutePlan(decode=chosen, hashes=hashes, prompt_blocks=dd.prompt_blocks, decode_decision=dd)
         threshold = self.settings.conditional_disagg_tokens
-        uncached = n - dd.overlap_blocks * bs
+        uncached = plan.uncached_tokens = max(0, n - dd.overlap_blocks * bs)
         if threshold > 0 and uncached < threshold:
             plan.reason = "conditional"
             return plan
@@ -172,8 +180,26 @@ class Routing:
         if not prefill:
             plan.reason = "no-prefill-worker"
             return plan
-        pd = self.router.route_prefill(hashes, self._candidates(prefill), n, record=not dry_run)
-        plan.prefill = self.pool.workers[pd.worker_id]
+        auto = self.settings.conditional_disagg_auto
+        pd = self.router.route_prefill(hashes, self._candidates(prefill), n, record=not (dry_run or auto))
+        holder = self.pool.workers[pd.worker_id]
+        uncached_blocks = max(0, dd.prompt_blocks - dd.overlap_blocks)
+        bpb = holder.info.kv_bytes_per_block if holder.info is not None else 0
+        plan.transfer_bytes = uncached_blocks * bpb if bpb else uncached_blocks  # in blocks where bytes are unknown
+        if auto:
+            est = self.costs.estimate(uncached_tokens=uncached, transfer_bytes=plan.transfer_bytes,
+                                      prefill_worker=holder.url, decode_worker=chosen.url,
+                                      queued_prefill_tokens=self.load.blocks(holder.url, "prefill") * bs)
+            if not bpb:
+                est = replace(est, bandwidth_gbps=None)
+            split, plan.split_why = decide(est)
+            plan.split = est
+            if not split:
+                plan.reason = "conditional"
+                return plan
+            if not dry_run and not self.router.use_kv_events:
+                self.router.index.record_routed(pd.worker_id, hashes)
+        plan.prefill = holder
         plan.prefill_decision = pd
         plan.reason = "disagg"
         return plan
@@ -196,6 +222,18 @@ class Routing:
                 p.ExplainScore(worker=s.worker_id, overlap_blocks=s.overlap_blocks, load=s.load, cost=s.cost)
                 for s in d.scores])
 
+        split = None
+        if plan.split is not None:
+            e = plan.split
+            split = p.ExplainSplit(choice="split" if plan.reason == "disagg" else "local", why=plan.split_why,
+                                   uncached_tokens=e.uncached_tokens, transfer_bytes=e.transfer_bytes,
+                                   transfer_ms=_ms(e.transfer_s), prefill_queue_ms=_ms(e.prefill_queue_s),
+                                   local_prefill_ms=_ms(e.local_prefill_s), bandwidth_gbps=e.bandwidth_gbps,
+                                   read_latency_ms=_ms(e.read_latency_s))
         return p.ExplainReply(prompt_tokens=len(prompt_ids), prompt_blocks=plan.prompt_blocks, mode=self.router.mode,
                               path=plan.reason, prefill=stage(plan.prefill_decision, plan.prefill),
-                              decode=stage(plan.decode_decision, plan.decode))
+                              decode=stage(plan.decode_decision, plan.decode), split=split)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)

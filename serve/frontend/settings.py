@@ -39,6 +39,7 @@ class FrontendSettings:
     router_temperature: float = 0.0
     use_kv_events: bool = True
     conditional_disagg_tokens: int = 0
+    conditional_disagg_auto: bool = False  # split only when the transfer costs less than a local prefill
     prefill_timeout_s: float = 60.0
     first_token_from: str = "prefill"  # "decode": the decode worker regenerates the prefill's token
     block_size: int = 128
@@ -85,10 +86,17 @@ class FrontendSettings:
             static_workers=list(args.worker), request_timeout_s=args.request_timeout,
             worker_read_timeout_s=args.worker_read_timeout, router_mode=args.router_mode,
             kv_overlap_score_weight=args.kv_overlap_score_weight, router_temperature=args.router_temperature,
-            use_kv_events=not args.no_kv_events, conditional_disagg_tokens=args.conditional_disagg_tokens,
+            use_kv_events=not args.no_kv_events, conditional_disagg_tokens=conditional_tokens(args),
+            conditional_disagg_auto=args.conditional_disagg_tokens == "auto",
             prefill_timeout_s=args.prefill_timeout, first_token_from=args.first_token_from,
             graceful_timeout_s=args.graceful_timeout,
             drain_settle_s=args.drain_settle, api_keys=list(args.api_key), cluster_token=args.cluster_token,
             max_active_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
             queue_timeout_s=args.queue_timeout, auth_exempt_paths=flags.paths(args.auth_exempt_paths),
         )
+
+
+def conditional_tokens(args: argparse.Namespace) -> int:
+    """`--conditional-disagg-tokens` as a fixed threshold (0 for auto, which has its own setting)."""
+    v = args.conditional_disagg_tokens
+    return 0 if v == "auto" else int(v)

@@ -98,7 +98,8 @@ class SimBackend:
         log.info("sim engine %s (%s): %d blocks of %d tokens, max_num_seqs %d, step model %s", r.engine_id, r.role,
                  cfg.num_blocks, cfg.block_size, cfg.max_num_seqs, self.opts.step_model.name)
         return EngineFacts(max_model_len=cfg.max_model_len, block_size=cfg.block_size,
-                           kv_cache_dtype=cfg.kv_cache_dtype, num_kv_blocks=cfg.num_blocks, seeds=True)
+                           kv_cache_dtype=cfg.kv_cache_dtype, num_kv_blocks=cfg.num_blocks, seeds=True,
+                           kv_bytes_per_block=self.opts.bytes_per_block)
 
     async def stop(self) -> None:
         for t in list(self._loads):

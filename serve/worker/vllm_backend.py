@@ -28,6 +28,25 @@ def _kv_wait(out: Any) -> float | None:
     return max(0.0, scheduled - queued)
 
 
+def kv_bytes_per_block(cfg: Any) -> int:
+    """KV bytes of one block over all layers (K and V; the bytes a READ of it moves), from
+    the engine's own config; 0 where it cannot say (the frontend then sizes transfers in
+    blocks)."""
+    try:
+        import torch
+
+        mc, pc, cc = cfg.model_config, cfg.parallel_config, cfg.cache_config
+        dtype = mc.dtype if cc.cache_dtype == "auto" else cc.cache_dtype
+        if isinstance(dtype, str):
+            dtype_bytes = 1 if dtype.startswith("fp8") else 4 if dtype in ("float32", "float") else 2
+        else:
+            dtype_bytes = torch.empty((), dtype=dtype).element_size()
+        return int(2 * mc.get_num_layers(pc) * mc.get_num_kv_heads(pc) * mc.get_head_size() * dtype_bytes
+                   * cc.block_size)
+    except Exception:  # noqa: BLE001 - a fact for routing estimates, never a reason not to start
+        return 0
+
+
 class VllmBackend:
     name = "vllm"
 
@@ -49,7 +68,8 @@ class VllmBackend:
         cfg = self.engine.vllm_config
         return EngineFacts(max_model_len=cfg.model_config.max_model_len, block_size=cfg.cache_config.block_size,
                            kv_cache_dtype=str(cfg.cache_config.cache_dtype),
-                           num_kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0), seeds=seeds_supported(cfg))
+                           num_kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0), seeds=seeds_supported(cfg),
+                           kv_bytes_per_block=kv_bytes_per_block(cfg))
 
     def sampling_params(self, req: p.GenerateRequest) -> Any:
         from vllm import SamplingParams

@@ -150,3 +150,37 @@ def test_a_connection_error_is_retried_on_another_worker(model_dir):
         assert answer["choices"][0]["message"]["content"]
         rows = {w["url"]: w for w in httpx.get(f"{c.url}/internal/workers").json()["workers"]}
         assert rows[dead]["failures"] >= 1  # it was tried, and failed at connect
+
+
+def _prompts(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": " ".join(f"word{i}-{j}" for j in range(20 + 15 * i))}] for i in range(n)]
+
+
+def test_auto_conditional_disagg_learns_the_link_and_explains_its_choice(model_dir):
+    """`--conditional-disagg-tokens auto`: nothing measured, it splits (and says so); after a
+    few split requests over a slow link (the decode worker's measured waits for the KV),
+    moving the KV costs more than a prefill and the next request is prefilled locally; over
+    an instant link the same requests keep splitting."""
+    slow = [*FLAGS, "--sim-kv-bandwidth-gbps", "0.002", "--sim-kv-latency-ms", "20"]
+    with ThreadedSimCluster(model_dir, ["prefill", "decode"], engine_flags=slow,
+                            frontend={"conditional_disagg_auto": True}) as c:
+        ex = explain(c.url, FRANCE)
+        assert ex["path"] == "disagg" and ex["split"]["choice"] == "split"
+        assert ex["split"]["why"].startswith("not measured yet") and ex["split"]["transfer_ms"] is None
+        for msgs in _prompts(3):
+            chat(c.url, msgs)
+        ex = explain(c.url, FRANCE)
+        s = ex["split"]
+        assert ex["path"] == "conditional" and s["choice"] == "local" and ex["prefill"] is None, s
+        assert s["transfer_ms"] >= s["local_prefill_ms"] > 0 and s["transfer_bytes"] > 0
+        assert 0.001 < s["bandwidth_gbps"] < 0.004  # the link's 2 MB/s (and 20 ms per READ), measured
+        chat(c.url, FRANCE)
+        assert metric(metrics(c.url), "pdserve_frontend_request_paths_total", path="conditional") == 1
+    with ThreadedSimCluster(model_dir, ["prefill", "decode"], engine_flags=FLAGS,
+                            frontend={"conditional_disagg_auto": True}) as c:
+        for msgs in _prompts(4):
+            chat(c.url, msgs)
+        ex = explain(c.url, FRANCE)
+        assert ex["path"] == "disagg" and ex["split"]["choice"] == "split"
+        assert ex["split"]["transfer_ms"] < ex["split"]["local_prefill_ms"]
+        assert metric(metrics(c.url), "pdserve_frontend_request_paths_total", path="disagg") == 4
