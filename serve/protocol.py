@@ -171,6 +171,30 @@ class WorkersReply(msgspec.Struct, frozen=True):
     workers: list[WorkerRow]
 
 
+class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """One engine step (`serve.step_hook`): its number in this worker, wall-clock start,
+    seconds, each decode's context and each prefill chunk as [computed, new] tokens."""
+
+    seq: int
+    t: float
+    s: float
+    d: list[int]
+    p: list[list[int]]
+
+
+class StepsReply(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /steps?since=N` on a worker: its kept steps from N on (`first_seq` is the oldest
+    kept; steps before it are gone). `simulated`: modelled step times, not measured."""
+
+    worker_id: str
+    role: Role
+    engine: str
+    simulated: bool
+    first_seq: int
+    next_seq: int
+    steps: list[StepRecord]
+
+
 class ExplainScore(msgspec.Struct, frozen=True, kw_only=True):
     worker: str
     overlap_blocks: int

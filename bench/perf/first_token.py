@@ -54,8 +54,8 @@ def add_parser(bsub: argparse._SubParsersAction) -> None:
     s.add_argument("--requests", type=int, default=8, help="requests per client run (default: 8)")
     s.add_argument("--concurrency-high", type=int, default=4,
                    help="the second load level, new vs old path (default: 4; 0 skips it)")
-    s.add_argument("--sim-step-model", default="linear:0.01:0.0001:0.00005",
-                   help="--engine sim: the workers' step model (default: linear:0.01:0.0001:0.00005)")
+    s.add_argument("--sim-step-model", default="linear:0.01,0.0001,0.00005",
+                   help="--engine sim: the workers' step model (default: linear:0.01,0.0001,0.00005)")
     s.add_argument("--kv-cache-dtype", default=None,
                    help="KV cache dtype of every worker, aggregated ones too (e.g. fp8; default: the model's)")
     s.add_argument("--model", default=None, help="model directory (default: the embedded model)")

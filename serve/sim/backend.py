@@ -58,6 +58,7 @@ class SimBackend:
         self.vocab = vocab or Vocabulary.from_model_dir(role.model)
         self.clock = clock
         self.on_kv_stats: Callable[[Any], None] | None = None
+        self.on_step: Callable[[float, float, list[int], list[list[int]]], None] | None = None
         self.stats = StatsBox()
         self.events = EventPublisher(role.kv_events_bind) if role.kv_events_bind else None
         cfg = opts.engine
@@ -79,6 +80,7 @@ class SimBackend:
             log.info("sim engine %s: starting (%.1f s)", r.engine_id, self.opts.startup_s)
             await asyncio.sleep(self.opts.startup_s)
         self.engine = SimEngine(cfg, self.vocab, self.opts.step_model, self.table, clock=self.clock)
+        self.engine.on_step = self.on_step
         side = f"tcp://{r.side_channel_host}:{r.side_channel_port}"
         self._metadata = sim_metadata(r.engine_id, r.model, cfg.kv_cache_dtype, cfg.block_size, cfg.num_blocks,
                                       self.opts.shape.num_layers,

@@ -107,6 +107,8 @@ class SimEngine:
         self.counters = StepCounters()
         # A finished request marked `hold`: keep its blocks, return its transfer params.
         self.on_finished: Callable[[SimRequest], TransferParams | None] | None = None
+        # Each step run: (wall-clock start, seconds, decode contexts, prefill chunks).
+        self.on_step: Callable[[float, float, list[int], list[list[int]]], None] | None = None
         self.slowdown = 1.0  # a fault (`POST /sim/fault` slow_step): steps take this many times longer
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -271,14 +273,25 @@ class SimEngine:
             self._wake.clear()
             await self._wake.wait()
             return
-        await self.sleep(self.step_time(batch))
+        start = time.time()
+        seconds = self.step_time(batch)
+        await self.sleep(seconds)
+        if self.on_step is not None:  # the worker's step records (modelled time, as slept)
+            decodes, chunks = self.batch_shape(batch)
+            self.on_step(start, seconds, decodes, [list(c) for c in chunks])
         self.complete(batch)
+
+    @staticmethod
+    def batch_shape(batch: list[tuple[SimRequest, int]]) -> tuple[list[int], list[tuple[int, int]]]:
+        """(each decode's context, each prefill chunk as (computed, new) tokens)."""
+        decodes = [len(r.prompt) + len(r.output) for r, n in batch if not r.in_prefill]
+        chunks = [(r.computed, n) for r, n in batch if r.in_prefill]
+        return decodes, chunks
 
     def step_time(self, batch: list[tuple[SimRequest, int]]) -> float:
         """The step model's time for `batch` (per-request decode contexts and prefill chunks),
         divided by the speed-up (`--sim-speedup`: modelled step times only)."""
-        decodes = [len(r.prompt) + len(r.output) for r, n in batch if not r.in_prefill]
-        chunks = [(r.computed, n) for r, n in batch if r.in_prefill]
+        decodes, chunks = self.batch_shape(batch)
         return self.step_model.step_seconds(decodes, chunks) / self.cfg.speedup * self.slowdown
 
     def complete(self, batch: list[tuple[SimRequest, int]]) -> None:

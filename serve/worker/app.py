@@ -38,6 +38,7 @@ from serve.http import DisconnectAwareStreamingResponse
 from serve.worker.backend import EngineBackend, EngineLoad, InvalidRequest
 from serve.worker.metrics import WorkerMetrics
 from serve.worker.registration import WorkerRegistration
+from serve.worker.steps import StepLog
 from serve.worker.releases import HeldTransfers
 from serve.worker.settings import WorkerSettings
 
@@ -64,8 +65,12 @@ class Worker:
         self.worker_id = settings.worker_id or f"{settings.role}-{uuid.uuid4().hex[:8]}"
         self.engine: EngineBackend | None = None  # the backend once started
         self.metrics = WorkerMetrics()
+        role = settings.role
+        self.steps = StepLog(settings.step_records, observe=self.metrics.step_seconds.labels(role).observe)
         if backend is not None:
             backend.on_kv_stats = self.metrics.observe_kv
+            if hasattr(backend, "on_step"):  # an engine in this process (simulated) reports its steps itself
+                backend.on_step = self.steps.add
         self.active = 0
         self.draining = False
         self.info: p.WorkerInfo | None = None
@@ -115,6 +120,7 @@ class Worker:
         if self.engine is not None:
             await self.engine.stop()
             self.engine = None
+        self.steps.remove_files()
         ev = self.settings.kv_events_endpoint or ""
         if ev.startswith("ipc://"):  # the engine core bound it and is gone now
             with contextlib.suppress(OSError):
@@ -241,6 +247,16 @@ class Worker:
     async def get_info(self) -> Response:
         return Response(p.encode(self.info), media_type="application/json")
 
+    async def get_steps(self, since: int = 0) -> Response:
+        """`GET /steps?since=N`: the engine's steps from N on (serve.step_hook)."""
+        steps = self.steps.since(max(0, since))
+        engine = self.backend.name if self.backend is not None else "none"
+        reply = p.StepsReply(worker_id=self.worker_id, role=self.settings.role, engine=engine,
+                             simulated=engine == "sim", next_seq=self.steps.next_seq,
+                             first_seq=self.steps.records[0].seq if self.steps.records else self.steps.next_seq,
+                             steps=steps)
+        return Response(p.encode(reply), media_type="application/json")
+
     def load(self) -> p.WorkerLoad:
         engine = self.engine.load() if self.engine is not None else EngineLoad()
         return p.WorkerLoad(
@@ -277,6 +293,7 @@ class Worker:
         load = self.load()
         self.metrics.kv_usage.labels(role).set(load.kv_usage)
         self.metrics.queue.labels(role).set(load.waiting_requests)
+        self.steps.poll()
         engine = self.engine.metrics_text() if self.engine is not None else b""
         body = engine + generate_latest(self.metrics.registry)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -303,6 +320,7 @@ def build_app(worker: Worker) -> FastAPI:
     app.add_api_route("/abort", worker.abort, methods=["POST"])
     app.add_api_route("/kv/release", worker.release, methods=["POST"])
     app.add_api_route("/info", worker.get_info, methods=["GET"])
+    app.add_api_route("/steps", worker.get_steps, methods=["GET"])
     app.add_api_route("/reset_prefix_cache", worker.reset_prefix_cache, methods=["POST"])
     app.add_api_route("/load", worker.get_load, methods=["GET"])
     app.add_api_route("/health", worker.health, methods=["GET"])

@@ -14,6 +14,7 @@ import os
 
 from serve import flags, listen
 from serve.errors import PdserveError
+from serve.step_hook import ENV as STEP_ENV
 from serve.worker.settings import WorkerSettings
 from serve.worker.sockets import ipc_endpoint
 
@@ -60,6 +61,13 @@ def kv_events_flags(s: WorkerSettings, passthrough: list[str]) -> list[str]:
                                               "endpoint": bind, "topic": ""})]
 
 
+def step_records_path(s: WorkerSettings) -> str:
+    """A file of this worker's own for its engine's step records (removed when it stops)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"pdserve-steps-{s.port}-{os.getpid()}.jsonl")
+
+
 def run(s: WorkerSettings, passthrough: list[str]) -> int:
     """Bind, load the engine and serve until stopped; the exit status."""
     if s.engine == "sim":
@@ -77,6 +85,8 @@ def run(s: WorkerSettings, passthrough: list[str]) -> int:
     s.served_model_name = s.served_model_name or served_name(given)
     if s.cluster_token:
         os.environ["PDSERVE_CLUSTER_TOKEN"] = s.cluster_token  # the KV connector (engine process) reads it
+    s.step_records = step_records_path(s)
+    os.environ[STEP_ENV] = s.step_records  # the engine core's plugin (serve.step_hook) writes there
     flags.warn_open("worker", s.host, s.cluster_token, "generate and register")
     passthrough = [*passthrough, *kv_transfer_flags(s, passthrough), *kv_events_flags(s, passthrough)]
     engine_args = parse_engine_args(s.model, passthrough, s.served_model_name)

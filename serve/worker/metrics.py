@@ -3,9 +3,13 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvtransfer.metrics import KvMetrics
+
+
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5,
+                5.0, 10.0)
 
 
 class WorkerMetrics:
@@ -17,6 +21,8 @@ class WorkerMetrics:
         self.kv_usage = Gauge("pdserve_worker_kv_usage_ratio", "KV cache usage (0-1)", ["role"], registry=r)
         self.queue = Gauge("pdserve_worker_queued_requests", "Requests waiting in the scheduler", ["role"], registry=r)
         self.tokens = Counter("pdserve_worker_generated_tokens", "Output tokens generated", ["role"], registry=r)
+        self.step_seconds = Histogram("pdserve_worker_step_seconds", "Engine step time (schedule, execute, update)",
+                                      ["role"], buckets=STEP_BUCKETS, registry=r)
         self.kv = KvMetrics(r)
 
     @property

@@ -33,6 +33,7 @@ class WorkerSettings:
     auth_exempt_paths: list[str] = field(default_factory=lambda: ["/health", "/live", "/metrics"])
     kv_transfer: bool = False
     kv_events_endpoint: str | None = None
+    step_records: str | None = None  # the file the engine core writes its steps to (serve.step_hook)
     # Engine placement and KV transfer (the CLI turns these into engine options).
     cpu_cores: str | None = None
     kv_cache_gib: float = 1.0

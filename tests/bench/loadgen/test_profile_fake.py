@@ -61,7 +61,9 @@ def test_streaming_run_measures_programmed_delays(slow_server, model_dir, tmp_pa
         assert len(r.content_ns) == 10
     for stat in ("min", "p50", "max"):
         assert TTFT_MS <= m["time_to_first_token"][stat]
-        assert ITL_MS <= m["inter_token_latency"][stat]
+        # A request's ITL is (last - first token) / 9: a first token read late by the loaded
+        # client (the server's sleeps still hold) shortens it by that delay / 9, hence the 5%.
+        assert ITL_MS * 0.95 <= m["inter_token_latency"][stat]
     ttfts = [(r.content_ns[0] - r.start_ns) / 1e6 for r in result.records]
     itls = [(r.content_ns[-1] - r.content_ns[0]) / 1e6 / 9 for r in result.records]
     assert (m["time_to_first_token"]["min"], m["time_to_first_token"]["max"]) == \

@@ -156,6 +156,28 @@ def test_worker_reexports_vllm_metrics(agg_worker):
     assert set(load) >= {"active_requests", "running_requests", "waiting_requests", "kv_usage"}
 
 
+def test_worker_records_its_engine_steps(frontend, agg_worker):
+    """The engine core's plugin (serve.step_hook) records every step a real engine runs:
+    `GET /steps` and `pdserve_worker_step_seconds` (what `bench calibrate --steps` fits)."""
+    wait_idle(agg_worker)
+    before = httpx.get(f"{agg_worker}/steps", timeout=10).json()["next_seq"]
+    r = post(frontend, "/v1/completions", {"model": MODEL, "prompt": "Count: one two three four five six seven",
+                                           "max_tokens": 6, "ignore_eos": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    reply = httpx.get(f"{agg_worker}/steps", params={"since": before}, timeout=10).json()
+    assert reply["engine"] == "vllm" and reply["simulated"] is False
+    steps = reply["steps"]
+    prompt = r.json()["usage"]["prompt_tokens"]
+    # The prompt (whole, or past a cached prefix), then one decode a step, each timed.
+    assert steps[0]["d"] == [] and sum(n for _, n in steps[0]["p"]) + steps[0]["p"][0][0] == prompt
+    assert [s["d"] for s in steps[1:6]] == [[prompt + i] for i in range(1, 6)]
+    assert all(s["s"] > 0 for s in steps)
+    text = httpx.get(f"{agg_worker}/metrics", timeout=10).text
+    count = [s.value for f in text_string_to_metric_families(text) if f.name == "pdserve_worker_step_seconds"
+             for s in f.samples if s.name.endswith("_count")]
+    assert count and count[0] >= reply["next_seq"]
+
+
 def test_client_disconnect_mid_stream_aborts_in_engine(frontend, agg_worker):
     wait_idle(agg_worker)
     before = aborted_count(agg_worker)
