@@ -104,7 +104,7 @@ def fit(runs: list[dict[str, Any]], memory_gib: float) -> tuple[SystemSpec, floa
 
 def calibrate(paths: list[str], out: str | None, memory_gib: float) -> dict[str, Any]:
     if not paths:
-        raise PlanError("give one or more artifact dirs of `pdserve bench profile` runs")
+        raise PlanError("give one or more artifact dirs of `pdserve bench profile` runs, or --steps")
     runs = [_measured(Path(p)) for p in paths]
     models = {r["model"] for r in runs}
     if len(models) > 1:

@@ -44,11 +44,19 @@ def add_command(sub: argparse._SubParsersAction) -> None:
 
 
 def add_bench_parsers(bsub: argparse._SubParsersAction) -> None:
-    c = bsub.add_parser("calibrate", help="fit a system profile (cpu-local) to `bench profile` runs",
+    c = bsub.add_parser("calibrate", help="fit a system profile (cpu-local) to `bench profile` runs, or a step-time "
+                                          "profile to engine step records (--steps)",
                         description="Fit effective compute rate, memory bandwidth and step overhead so the planner's "
-                                    "aggregated prediction reproduces the runs' TTFT and ITL p50 (see bench/plan/calibrate.py).")
-    c.add_argument("artifact_dirs", nargs="+", help="artifact dirs of streaming `bench profile` runs (one engine)")
-    c.add_argument("--out", default=None, help="profile file (default: cpu-local.json in the pdserve cache)")
+                                    "aggregated prediction reproduces the runs' TTFT and ITL p50 (see bench/plan/calibrate.py); "
+                                    "with --steps, fit a pdserve.profile/1 step model to workers' engine steps "
+                                    "(see bench/sim/stepfit.py).")
+    c.add_argument("artifact_dirs", nargs="*", help="artifact dirs of streaming `bench profile` runs (one engine)")
+    c.add_argument("--steps", action="append", default=[], metavar="WORKER_URL|FILE",
+                   help="engine steps to fit a pdserve.profile/1 to: a worker's URL (its GET /steps; the cluster "
+                        "token from PDSERVE_CLUSTER_TOKEN) or a file of step records (repeatable)")
+    c.add_argument("--system-name", default="measured", help="--steps: the profile's system name (default: measured)")
+    c.add_argument("--out", default=None, help="profile file (default: cpu-local.json in the pdserve cache; with "
+                                               "--steps: artifacts/calibrate/profile.json)")
     c.add_argument("--memory-gib", type=float, default=1.5,
                    help="memory per engine for weights + KV cache (default: 1.5, `pdserve up`'s 1 GiB KV cache plus weights)")
     cp = bsub.add_parser("compare-plan", help="measured TTFT, TPOT and throughput next to a plan's prediction")
@@ -74,9 +82,20 @@ def run_plan(args: argparse.Namespace) -> int:
 
 def run_bench(args: argparse.Namespace) -> int:
     from bench.plan.calibrate import calibrate, compare_plan
+    from bench.plan.errors import PlanError
 
     try:
-        if args.bench_command == "calibrate":
+        if args.bench_command == "calibrate" and args.steps:
+            if args.artifact_dirs:
+                raise PlanError("--steps fits engine steps; artifact dirs are for the planner's fit: "
+                                "give one or the other")
+            import os
+
+            from bench.sim.stepfit import calibrate_steps
+
+            calibrate_steps(args.steps, args.out or "artifacts/calibrate/profile.json",
+                            os.environ.get("PDSERVE_CLUSTER_TOKEN"), args.system_name)
+        elif args.bench_command == "calibrate":
             calibrate(args.artifact_dirs, args.out, args.memory_gib)
         else:
             compare_plan(args.plan, args.artifact_dir)
