@@ -55,9 +55,11 @@ import math
 from dataclasses import dataclass
 
 from bench.plan.specs import ModelShape, SystemSpec
+from serve.sim.profile import ProfileStep, from_dict
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
 ALLREDUCE_LATENCY_S = 10e-6
+_PROFILES: dict[int, tuple[dict, ProfileStep]] = {}  # parsed measured profiles, by their document
 
 
 @dataclass(frozen=True)
@@ -116,9 +118,27 @@ class Engine:
         per = 2 * (self.tp - 1) / self.tp * size / (self.system.nvlink_gbps * 1e9 * self.system.efficiency["nvlink"])
         return 2 * self.model.layers * (per + ALLREDUCE_LATENCY_S)
 
+    @property
+    def profile(self) -> ProfileStep | None:
+        """The system's measured step model, if a profile stands for it (specs.system_of_profile)."""
+        doc = self.system.step_profile
+        if doc is None:
+            return None
+        got = _PROFILES.get(id(doc))
+        if got is None or got[0] is not doc:
+            got = _PROFILES[id(doc)] = (doc, from_dict(doc, self.system.name))
+        return got[1]
+
     def step_s(self, decode_batch: float, ctx: float, prefill_tokens: float = 0.0, prefill_isl: float = 0.0) -> float:
         """One engine step: `decode_batch` sequences at context `ctx` plus `prefill_tokens`
-        tokens of prompts of length `prefill_isl` (their share of those prompts' attention)."""
+        tokens of prompts of length `prefill_isl` (their share of those prompts' attention).
+        A measured profile's step model stands for the roofline when the system has one."""
+        prof = self.profile
+        if prof is not None:
+            tokens = decode_batch + prefill_tokens
+            pairs = prefill_tokens * (prefill_isl + 1) / 2 if prefill_tokens and prefill_isl else 0.0
+            return (prof.overhead_s + (prof.tokens_seconds(tokens) if tokens else 0.0)
+                    + prof.decode_context_s * decode_batch * ctx + prof.prefill_pair_s * pairs)
         t = self.system.step_overhead_ms / 1000.0
         t += self.linear_s(decode_batch + prefill_tokens)
         t += self.decode_attention_s(decode_batch, ctx) if decode_batch else 0.0
@@ -133,6 +153,8 @@ class Engine:
 
     def max_tokens_in_kv(self) -> float:
         s = self.system
+        if s.step_profile is not None:
+            return float(s.step_profile["kv_cache_tokens"])
         free = s.memory_gib * s.kv_memory_fraction - self.weight_bytes / self.tp / 2**30 - s.activation_reserve_gib
         return max(0.0, free * 2**30 / (self.kv_bytes_per_token / self.tp))
 

@@ -60,6 +60,9 @@ def _meets(p: Prediction, t: Targets) -> bool:
 
 
 def _tps(total: int, system: SystemSpec) -> list[int]:
+    if system.step_profile is not None:  # measured at one TP: that one only
+        tp = int(system.step_profile.get("tp", 1))
+        return [tp] if tp <= total else []
     return [tp for tp in TPS if tp <= total and tp <= system.gpus_per_node]
 
 

@@ -79,6 +79,7 @@ class SystemSpec:
     # prefill_utilisation, decode_occupancy
     disagg: dict[str, float] = field(default_factory=lambda: dict(DISAGG_NEUTRAL))
     sources: dict[str, str] = field(default_factory=dict)
+    step_profile: dict[str, Any] | None = None  # a pdserve.profile/1 document (see `system_of_profile`)
 
     def to_dict(self) -> dict[str, Any]:
         """The layout of a system profile file (what `pdserve bench calibrate` writes)."""
@@ -165,6 +166,8 @@ def load_system(name: str) -> SystemSpec:
             hint = " run `pdserve bench calibrate ARTIFACT_DIR...` first" if name == "cpu-local" else ""
             raise PlanError(f"system profile {path} does not exist:{hint}")
         s = _read(path)
+        if s.get("format") == PROFILE_FORMAT:
+            return system_of_profile(s, str(path))
     elif name in doc["systems"]:
         s = doc["systems"][name]
     else:
@@ -184,3 +187,33 @@ def load_system(name: str) -> SystemSpec:
         gpus_per_node=s.get("gpus_per_node", 8), activation_reserve_gib=s.get("activation_reserve_gib", 2.0),
         disagg={k: float(v) for k, v in disagg.items()},
         sources={**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})})
+
+
+PROFILE_FORMAT = "pdserve.profile/1"
+
+
+def system_of_profile(doc: dict[str, Any], where: str) -> SystemSpec:
+    """A step-time profile (`pdserve.profile/1`, e.g. from `pdserve bench calibrate --steps`)
+    as a planner system: its step model stands for the roofline (`Engine.step_s`), its
+    `kv_cache_tokens` for the KV capacity of one engine, its `transfer` link for both
+    networks. It was measured at one TP (`tp`), so the planner ranks layouts of that TP only."""
+    from serve.sim.profile import ProfileError, from_dict
+
+    try:
+        step = from_dict(doc, where)
+    except ProfileError as exc:
+        raise PlanError(str(exc)) from None
+    tokens = doc.get("kv_cache_tokens")
+    if not isinstance(tokens, int) or tokens <= 0:
+        raise PlanError(f"{where}: a profile used as a planner system needs kv_cache_tokens (the KV capacity of one "
+                        "engine, in tokens; `pdserve bench calibrate --steps WORKER_URL` writes it)")
+    tp = doc.get("tp", 1)
+    if not isinstance(tp, int) or tp < 1:
+        raise PlanError(f"{where}: tp must be an integer >= 1")
+    net = {"rdma": step.transfer.bandwidth_gbps, "tcp": step.transfer.bandwidth_gbps} if step.transfer else \
+        {"rdma": 25.0, "tcp": 3.0}
+    ones = {k: 1.0 for k in ("gemm", "prefill_attention", "hbm", "decode_attention", "nvlink", "network")}
+    return SystemSpec(name=str(doc.get("system") or Path(where).stem), peak_tflops={"bf16": 1.0, "fp8": 1.0},
+                      hbm_gbps=1.0, memory_gib=0.0, nvlink_gbps=1.0, network_gbps=net, efficiency=ones,
+                      step_overhead_ms=step.overhead_s * 1e3, kv_memory_fraction=1.0, gpus_per_node=tp,
+                      activation_reserve_gib=0.0, sources={"profile": where}, step_profile=doc)

@@ -156,7 +156,8 @@ def read_steps(src: str, token: str | None = None) -> tuple[list[Step], dict[str
             raise SimError(f"{src}: cannot read its steps ({exc})") from None
         meta = {"source": src, "engine": reply.get("engine"), "simulated": reply.get("simulated"),
                 "kv_bytes_per_token": (info.get("kv_bytes_per_block") or 0) // max(1, info.get("block_size") or 1),
-                "kv_cache_dtype": info.get("kv_cache_dtype"), "model": info.get("served_model_name")}
+                "kv_cache_dtype": info.get("kv_cache_dtype"), "model": info.get("served_model_name"),
+                "kv_cache_tokens": (info.get("num_kv_blocks") or 0) * (info.get("block_size") or 0)}
         return parse_records((json.dumps(r) for r in reply.get("steps", [])), src), meta
     path = Path(src)
     try:
@@ -186,6 +187,9 @@ def calibrate_steps(sources: list[str], out: str, token: str | None = None, syst
                        model=next((m["model"] for m in metas if m.get("model")), None), system=system,
                        tp=1, kv_cache_dtype=next((m["kv_cache_dtype"] for m in metas if m.get("kv_cache_dtype")), None))
     doc["kv_bytes_per_token"] = kv
+    cache = next((m["kv_cache_tokens"] for m in metas if m.get("kv_cache_tokens")), 0)
+    if cache:
+        doc["kv_cache_tokens"] = cache  # one engine's KV capacity (what the planner needs of a system)
     assert doc["format"] == FORMAT
     target = Path(out)
     target.parent.mkdir(parents=True, exist_ok=True)

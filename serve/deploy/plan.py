@@ -28,7 +28,7 @@ serve's: it may not import bench, router or kvtransfer.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -91,6 +91,9 @@ class System(msgspec.Struct, frozen=True):
     activation_reserve_gib: float = 2.0
     disagg: dict[str, float] = msgspec.field(default_factory=lambda: dict(DISAGG_NEUTRAL))
     sources: dict[str, str] = msgspec.field(default_factory=dict)
+    # A measured step-time profile (pdserve.profile/1) standing for this system: its step
+    # model replaces the roofline (bench/plan/perf.py, Engine.step_s).
+    step_profile: dict[str, Any] | None = None
 
 
 class Targets(msgspec.Struct, frozen=True):
