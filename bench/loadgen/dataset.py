@@ -88,6 +88,12 @@ def parse_mooncake(path: Path) -> list[TraceEntry]:
     return out
 
 
+def shape_rng(seed: int, warmup: bool = False) -> random.Random:
+    """The random stream of a synthetic workload's shape: sessions' turns, each turn's ISL
+    and OSL (drawn in that order), and the first turn's prefix (`pdserve sim` draws the same)."""
+    return random.Random(f"{seed}:{'warmup' if warmup else 'shape'}")
+
+
 def _length(rng: random.Random, mean: int, stddev: float, low: int) -> int:
     if stddev <= 0:
         return max(low, mean)
@@ -126,20 +132,19 @@ class PlanBuilder:
         body.update(self.cfg.extra_inputs)
         return json.dumps(body, separators=(",", ":")).encode()
 
-    def _turns(self) -> int:
-        if self.cfg.session_turns_stddev <= 0:
-            return self.cfg.session_turns
-        return max(1, round(self.rng.gauss(self.cfg.session_turns, self.cfg.session_turns_stddev)))
-
     def _synthetic(self, n_sessions: int, start_index: int) -> list[Session]:
         cfg = self.cfg
+        # The workload's shape (turns, lengths, which prefix) comes from a stream of its own, so
+        # `pdserve sim` draws the same shape from the same seed (bench/sim/workload.py); the
+        # text comes from `self.rng`.
+        shape = shape_rng(cfg.random_seed, warmup=start_index < 0)
         sessions, contents, targets, where = [], [], [], []
         for s in range(n_sessions):
             turns = []
-            for t in range(self._turns()):
-                isl = _length(self.rng, cfg.isl, cfg.isl_stddev, self.p.min_isl() + cfg.prefix_prompt_length)
-                osl = _length(self.rng, cfg.osl, cfg.osl_stddev, 1) if cfg.osl else None
-                prefix = self.rng.choice(self.prefixes) if self.prefixes and t == 0 else ""
+            for t in range(_length(shape, cfg.session_turns, cfg.session_turns_stddev, 1)):
+                isl = _length(shape, cfg.isl, cfg.isl_stddev, self.p.min_isl() + cfg.prefix_prompt_length)
+                osl = _length(shape, cfg.osl, cfg.osl_stddev, 1) if cfg.osl else None
+                prefix = self.prefixes[shape.randrange(len(self.prefixes))] if self.prefixes and t == 0 else ""
                 content = self.p.build(isl, self.rng, prefix, cfg.prefix_prompt_length if prefix else 0)
                 turns.append(Turn(content, isl, osl, cfg.session_turn_delay_ms if t else 0.0))
                 contents.append(content)

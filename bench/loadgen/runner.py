@@ -64,6 +64,11 @@ class ClientPlan:
     extra_inputs: dict[str, Any] = field(default_factory=dict)
 
 
+def arrival_rng(seed: int, worker: int = 0) -> random.Random:
+    """The random stream of one client process's arrival gaps (the simulator draws the same)."""
+    return random.Random(f"{seed}:{worker}")
+
+
 def next_gap(pattern: str, rate: float, smoothness: float, rng: random.Random) -> float:
     """Seconds to the next arrival at `rate` per second. constant: 1/rate; poisson:
     exponential with mean 1/rate; gamma: gamma with shape k=smoothness and mean 1/rate (k=1 is
@@ -179,7 +184,7 @@ class Client:
     async def _open_loop(self, sessions: list[Session], deadline: float | None, t0: float) -> None:
         p = self.plan
         sem = asyncio.Semaphore(p.concurrency) if p.concurrency else None
-        rng = random.Random(f"{p.seed}:{p.worker}")
+        rng = arrival_rng(p.seed, p.worker)
         rate = p.request_rate or 1.0
         # Processes interleave: a constant schedule at rate/W, offset by worker/rate_total.
         t = p.worker / (rate * p.workers) if p.arrival == "constant" else 0.0

@@ -88,6 +88,8 @@ def _profile(url: str, tokenizer: str, out: Path, isl: int, osl: int, n: int, co
     with contextlib.redirect_stdout(io.StringIO()):
         result = run_profile(cfg, progress_enabled=False)
         m = write_artifacts(result, plots=False)
+    if result.was_cancelled:  # Ctrl-C or SIGTERM during the run: stop here (the stacks are stopped on the way out)
+        raise SystemExit(130)
     bad = [r for r in result.records if not r.ok]
     if bad:
         raise PerfError(f"{url}: {len(bad)} of {len(result.records)} requests failed: {bad[0].error}")

@@ -82,6 +82,8 @@ def _real(url: str, tokenizer: str, out: Path, workload: list[str], workers: lis
     with contextlib.redirect_stdout(io.StringIO()):
         result = run_profile(cfg, progress_enabled=False)
         write_artifacts(result, plots=False)
+    if result.was_cancelled:  # Ctrl-C or SIGTERM during the run: stop here (the stacks are stopped on the way out)
+        raise SystemExit(130)
     return _summary(json.loads((out / "profile_export_aiperf.json").read_text()))
 
 
@@ -107,6 +109,28 @@ def _worker_urls(frontend: str, token: str) -> list[str]:
 
     rows = httpx.get(f"{frontend}/internal/workers", headers=token_headers(token), timeout=10).json()["workers"]
     return [r["url"] for r in rows]
+
+
+def _slowdown(workers: list[str], token: str, profile: Path) -> dict[str, dict[str, float]]:
+    """Each worker's engine steps during this layout's runs, measured over the profile's
+    prediction for the same batch: above 1 where the engines ran slower than in the
+    calibration (CPU shared with another engine, the frontend, the client, KV transfers)."""
+    import httpx
+
+    from bench.sim.stepfit import read_steps
+    from serve.sim.profile import load as load_profile
+
+    model = load_profile(profile)
+    out = {}
+    for w in workers:
+        steps, meta = read_steps(w, token)
+        ratios = sorted(s / model.step_seconds(d, [(c, n) for c, n in p]) for s, d, p in steps
+                        if model.step_seconds(d, [(c, n) for c, n in p]) > 0)
+        role = httpx.get(f"{w}/info", headers=token_headers(token), timeout=10).json()["role"]
+        if ratios:
+            out[f"{role} {w}"] = {"steps": len(ratios), "p50": round(ratios[len(ratios) // 2], 4),
+                                  "p90": round(ratios[int(0.9 * (len(ratios) - 1))], 4)}
+    return out
 
 
 def compare(real: list[dict[str, float]], sim: dict[str, float]) -> dict[str, Any]:
@@ -185,6 +209,10 @@ def run(args: argparse.Namespace) -> int:
                 doc["points"][key] = row
                 print(line(key, row), flush=True)
                 (out / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
+            doc.setdefault("step_slowdown", {})[name] = _slowdown(workers, token, profile)
+            print(f"{name}: engine steps measured / the profile's prediction, median (p90): "
+                  + ", ".join(f"{w}: {v['p50']:.3f} ({v['p90']:.3f}), {v['steps']} steps"
+                              for w, v in doc["step_slowdown"][name].items()), flush=True)
     doc["seconds"] = round(time.monotonic() - t0, 1)
     (out / "validate.json").write_text(json.dumps(doc, indent=1) + "\n")
     print(table(doc))

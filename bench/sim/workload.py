@@ -16,8 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from bench.loadgen.config import ProfileConfig
-from bench.loadgen.dataset import TraceEntry, parse_mooncake
+from bench.loadgen.dataset import TraceEntry, parse_mooncake, shape_rng
 from bench.loadgen.errors import LoadgenError
+from bench.loadgen.runner import arrival_rng, next_gap
 from bench.sim.cluster import Flow, OfflineCluster
 from bench.sim.engine import output_token
 from bench.sim.errors import SimError
@@ -31,6 +32,7 @@ class SimTurn:
     make: Callable[[], list[int]]  # this turn's new tokens (after the conversation so far), made when sent
     osl: int
     delay_s: float = 0.0  # after the previous turn's answer
+    isl: int = 0  # the new tokens' count (first turns: the prompt's length)
 
     @property
     def content(self) -> list[int]:
@@ -63,16 +65,17 @@ def build_sessions(cfg: ProfileConfig) -> list[SimSession]:
     if not n:
         raise SimError("say how much to send: --num-requests, --conversation-num or --input-file")
     prefixes = [_tokens(rng, cfg.prefix_prompt_length) for _ in range(cfg.num_prefix_prompts)]
+    shape = shape_rng(cfg.random_seed)  # turns, ISL, OSL, prefix: what `bench profile` draws from this seed
     out = []
     for i in range(n):
         turns = []
-        for t in range(_length(rng, turns_mean, cfg.session_turns_stddev)):
-            isl = _length(rng, cfg.isl, cfg.isl_stddev)
+        for t in range(_length(shape, turns_mean, cfg.session_turns_stddev)):
+            isl = _length(shape, cfg.isl, cfg.isl_stddev, cfg.prefix_prompt_length if prefixes else 1)
+            osl = _length(shape, cfg.osl, cfg.osl_stddev)
+            prefix = shape.randrange(len(prefixes)) if t == 0 and prefixes else None
             seed = rng.getrandbits(64)
-            prefix = rng.randrange(len(prefixes)) if t == 0 and prefixes else None
             make = functools.partial(_content, prefixes, prefix, seed, isl, cfg.prefix_prompt_length)
-            turns.append(SimTurn(make, _length(rng, cfg.osl, cfg.osl_stddev),
-                                 cfg.session_turn_delay_ms / 1000.0 if t else 0.0))
+            turns.append(SimTurn(make, osl, cfg.session_turn_delay_ms / 1000.0 if t else 0.0, isl))
         out.append(SimSession(i, turns))
     return out
 
@@ -129,7 +132,8 @@ class Driver:
         self.deadline = cfg.benchmark_duration if cfg.benchmark_duration else float("inf")
         self.free_slots = cfg.concurrency or 0
         self.waiting_sessions: list[SimSession] = []
-        self.rng = random.Random(cfg.random_seed + 17)
+        # The arrivals `bench profile` draws (one client process): the same seed, the same gaps.
+        self.rng = arrival_rng(cfg.random_seed)
 
     def start(self) -> None:
         cfg = self.cfg
@@ -146,13 +150,7 @@ class Driver:
                 self._next_closed()
 
     def _gap(self, rate: float) -> float:
-        a = self.cfg.arrival
-        if a == "constant":
-            return 1.0 / rate
-        if a == "gamma":
-            k = self.cfg.arrival_smoothness
-            return self.rng.gammavariate(k, 1.0 / (rate * k))
-        return self.rng.expovariate(rate)
+        return next_gap(self.cfg.arrival, rate, self.cfg.arrival_smoothness, self.rng)
 
     # -- closed loop: each slot runs one session after another ---------------------------
     def _next_closed(self) -> None:

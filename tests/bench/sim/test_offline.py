@@ -283,3 +283,36 @@ def test_a_queue_that_fails_at_once_ends_without_recursion():
     loop.run()
     assert len(done) == 1024 and all(f.error is not None for f in done)
     assert {f.error[0] for f in done} <= {502, 503}
+
+
+def test_open_loop_arrivals_are_the_ones_bench_profile_draws(tmp_path):
+    """Same seed, same arrivals: a simulation and a real `bench profile` run of one workload
+    send their requests at the same offsets (the client's own random stream and gaps)."""
+    from bench.loadgen.runner import arrival_rng, next_gap
+
+    for arrival in ("poisson", "gamma", "constant"):
+        cfg = _cfg(tmp_path / arrival, concurrency=None, request_rate=5.0, arrival=arrival, arrival_smoothness=2.0,
+                   num_requests=25, random_seed=7)
+        result, _ = simulate(cfg, _spec(["agg"] * 4), progress=False)
+        starts = sorted(r.start_ns for r in result.records)
+        offsets = [(s - starts[0]) / 1e9 for s in starts]
+        rng, t, want = arrival_rng(7), 0.0, []
+        for _ in range(25):
+            want.append(t)
+            t += next_gap(arrival, 5.0, 2.0, rng)
+        assert offsets == pytest.approx(want, abs=1e-6), arrival
+
+
+def test_a_simulation_draws_the_workload_shape_bench_profile_draws(tmp_path, model_dir):
+    """Same seed, same shape: each request's ISL and OSL, and its shared prefix, are the ones
+    a real `bench profile` run of the same flags sends (so a simulation and a real run compare
+    request for request); only the text differs (token ids offline)."""
+    from bench.loadgen.dataset import PlanBuilder, PromptBuilder
+    from bench.loadgen.tokenizer import load_tokenizer
+    from bench.sim.workload import build_sessions
+
+    cfg = _cfg(tmp_path, model=model_dir, isl=200, isl_stddev=60, osl=40, osl_stddev=10, num_requests=30,
+               num_prefix_prompts=3, prefix_prompt_length=64, random_seed=11, warmup_requests=2)
+    _, real = PlanBuilder(cfg, PromptBuilder(load_tokenizer(model_dir, model_dir), cfg.endpoint_type)).build()
+    sim = build_sessions(cfg)
+    assert [(s.turns[0].isl, s.turns[0].osl) for s in real] == [(t.isl, t.osl) for s in sim for t in s.turns]
