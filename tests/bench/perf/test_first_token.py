@@ -29,3 +29,15 @@ def test_first_token_benchmark_on_simulated_workers(tmp_path):
     assert set(row["c2"]) == {"agg", "new", "old"} and row["c2"]["new"]["output_tps"] > 0
     assert [row["c2"][k]["same_answers_as_agg"] for k in ("agg", "new", "old")] == ["4/4"] * 3
     assert "concurrency 2: answers equal to the aggregated stack's first run" in proc.stdout
+
+
+def test_the_default_simulated_step_model_parses():
+    import argparse
+
+    from bench.perf.first_token import add_parser
+    from serve.sim.timing import LinearStep, parse_step_model
+
+    sub = argparse.ArgumentParser().add_subparsers()
+    add_parser(sub)
+    args = sub.choices["first-token"].parse_args([])
+    assert parse_step_model(args.sim_step_model) == LinearStep(0.01, 0.0001, 0.00005)
