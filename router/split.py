@@ -14,31 +14,38 @@ token), and `SplitCosts` keeps, per worker, a decayed least-squares line through
 latency, its slope one over the bandwidth). A worker without enough samples of its own
 borrows the pool's line (every worker's samples of that kind): the same hardware is the
 usual case. With nothing measured yet the request is split (the default path), which is
-also how the first samples come.
+also how the first samples come. A line that no sample has renewed for `STALE_S` counts as
+not measured: a link judged too slow once is tried again (a split) at least that often, so
+one slow sample cannot keep auto local for good.
 
 `decide` is a pure function of the estimates; no I/O here.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 
 MIN_SAMPLES = 3  # samples a line needs before it predicts
 DECAY = 0.98  # weight of the older samples at each new one (about the last 50 count)
+STALE_S = 60.0  # a line without a new sample for this long is measured again
 
 
 class OnlineLine:
     """seconds = a + b * x by exponentially decayed least squares, a >= 0 and b >= 0.
     Sizes that barely vary cannot separate a from b: then the line goes through the origin."""
 
-    __slots__ = ("n", "w", "sx", "sy", "sxx", "sxy")
+    __slots__ = ("n", "w", "sx", "sy", "sxx", "sxy", "updated")
 
     def __init__(self) -> None:
         self.n = 0
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.updated = float("-inf")  # when the last sample came (the costs' clock)
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, x: float, y: float, at: float = 0.0) -> None:
         d = DECAY
+        self.updated = at
         self.n += 1
         self.w = self.w * d + 1.0
         self.sx = self.sx * d + x
@@ -76,7 +83,7 @@ class SplitEstimate:
     """The estimates behind one decision (seconds; None where nothing is measured yet)."""
 
     uncached_tokens: int  # the prompt's tokens the decode worker has not cached
-    transfer_bytes: int  # what the decode worker would read: uncached blocks x bytes per block
+    transfer_bytes: int | None  # what the decode worker would read: uncached blocks x bytes per block
     transfer_s: float | None  # latency + bytes / bandwidth to the chosen prefill worker
     prefill_queue_s: float | None  # the prefill worker's queued prefill work
     local_prefill_s: float | None  # the decode worker computing the uncached tokens itself
@@ -105,7 +112,8 @@ def decide(est: SplitEstimate) -> tuple[bool, str]:
 class SplitCosts:
     """Per-worker transfer and prefill lines, fed by finished stages."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.transfer: dict[str, OnlineLine] = {}  # holder (prefill worker) -> seconds per byte moved
         self.prefill: dict[str, OnlineLine] = {}  # worker -> seconds per token computed
         self.transfer_pool = OnlineLine()
@@ -114,38 +122,47 @@ class SplitCosts:
     def observe_transfer(self, holder: str, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds < 0:
             return
-        self.transfer.setdefault(holder, OnlineLine()).add(float(nbytes), seconds)
-        self.transfer_pool.add(float(nbytes), seconds)
+        now = self.clock()
+        self.transfer.setdefault(holder, OnlineLine()).add(float(nbytes), seconds, now)
+        self.transfer_pool.add(float(nbytes), seconds, now)
 
     def observe_prefill(self, worker: str, tokens: int, seconds: float) -> None:
         if tokens <= 0 or seconds < 0:
             return
-        self.prefill.setdefault(worker, OnlineLine()).add(float(tokens), seconds)
-        self.prefill_pool.add(float(tokens), seconds)
+        now = self.clock()
+        self.prefill.setdefault(worker, OnlineLine()).add(float(tokens), seconds, now)
+        self.prefill_pool.add(float(tokens), seconds, now)
 
     def forget(self, worker: str) -> None:
         """A worker gone from the pool (its lines with it)."""
         self.transfer.pop(worker, None)
         self.prefill.pop(worker, None)
 
+    def prune(self, keep: Container[str]) -> None:
+        """Forget the workers not in `keep` (the pool's now)."""
+        for lines in (self.transfer, self.prefill):
+            for w in [w for w in lines if w not in keep]:
+                del lines[w]
+
     def _line(self, own: dict[str, OnlineLine], pool: OnlineLine, worker: str) -> OnlineLine | None:
+        fresh = self.clock() - STALE_S
         line = own.get(worker)
         if line is not None and line.ready:
-            return line
-        return pool if pool.ready else None
+            return line if line.updated >= fresh else None
+        return pool if pool.ready and pool.updated >= fresh else None
 
-    def estimate(self, *, uncached_tokens: int, transfer_bytes: int, prefill_worker: str, decode_worker: str,
+    def estimate(self, *, uncached_tokens: int, transfer_bytes: int | None, prefill_worker: str, decode_worker: str,
                  queued_prefill_tokens: int) -> SplitEstimate:
         t = self._line(self.transfer, self.transfer_pool, prefill_worker)
         pp = self._line(self.prefill, self.prefill_pool, prefill_worker)
         local = self._line(self.prefill, self.prefill_pool, decode_worker)
         bw = lat = transfer_s = None
-        if t is not None and transfer_bytes > 0:
+        if transfer_bytes is not None and transfer_bytes <= 0:
+            transfer_s = 0.0  # nothing to move
+        elif t is not None and transfer_bytes is not None:  # None: the holder does not say its block bytes
             lat, slope = t.coefficients()
             bw = (1.0 / slope / 1e9) if slope > 0 else None
             transfer_s = t.predict(transfer_bytes)
-        elif transfer_bytes <= 0:
-            transfer_s = 0.0
         queue_s = pp.coefficients()[1] * queued_prefill_tokens if pp is not None else None
         local_s = local.predict(uncached_tokens) if local is not None and uncached_tokens > 0 else None
         return SplitEstimate(uncached_tokens=uncached_tokens, transfer_bytes=transfer_bytes, transfer_s=transfer_s,

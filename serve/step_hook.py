@@ -138,3 +138,18 @@ def register() -> None:
     step = EngineCore.step
     Scheduler.schedule = recording_schedule
     EngineCore.step = lazy_step
+    batched = getattr(EngineCore, "step_with_batch_queue", None)
+    if batched is not None:
+        warned = False
+
+        def batch_queue_step(self: Any) -> Any:
+            # Several batches in flight (async scheduling, pipeline parallelism): a call is not
+            # one step's time, so nothing is recorded; say so once.
+            nonlocal warned
+            if not warned:
+                warned = True
+                log.warning("pdserve: this engine runs batches through a queue (async scheduling or pipeline "
+                            "parallelism): no step records (%s stays empty)", path)
+            return batched(self)
+
+        EngineCore.step_with_batch_queue = batch_queue_step

@@ -55,6 +55,9 @@ def add_bench_parsers(bsub: argparse._SubParsersAction) -> None:
                    help="engine steps to fit a pdserve.profile/1 to: a worker's URL (its GET /steps; the cluster "
                         "token from PDSERVE_CLUSTER_TOKEN) or a file of step records (repeatable)")
     c.add_argument("--system-name", default="measured", help="--steps: the profile's system name (default: measured)")
+    c.add_argument("--tp", type=int, default=1,
+                   help="--steps: the tensor parallelism of the workers measured (default: 1); the planner ranks "
+                        "layouts of that TP only")
     c.add_argument("--out", default=None, help="profile file (default: cpu-local.json in the pdserve cache; with "
                                                "--steps: artifacts/calibrate/profile.json)")
     c.add_argument("--memory-gib", type=float, default=1.5,
@@ -94,7 +97,7 @@ def run_bench(args: argparse.Namespace) -> int:
             from bench.sim.stepfit import calibrate_steps
 
             calibrate_steps(args.steps, args.out or "artifacts/calibrate/profile.json",
-                            os.environ.get("PDSERVE_CLUSTER_TOKEN"), args.system_name)
+                            os.environ.get("PDSERVE_CLUSTER_TOKEN"), args.system_name, args.tp)
         elif args.bench_command == "calibrate":
             calibrate(args.artifact_dirs, args.out, args.memory_gib)
         else:

@@ -275,7 +275,8 @@ class OfflineCluster:
                 self.loop.after(transfer_seconds(nbytes, self.link.bandwidth_gbps, self.link.latency_s), self._loaded,
                                 flow)
             return
-        if len(flow.times) == 1 and w is flow.decode and flow.path in ("conditional", "no-prefill-worker", "fallback"):
+        if (len(flow.times) == 1 and w is flow.decode and not flow.tried
+                and flow.path in ("conditional", "no-prefill-worker", "fallback")):
             # The decode worker prefilled the prompt itself: what the split estimates learn from.
             self.routing.costs.observe_prefill(w.url, flow.uncached_tokens, self.loop.now - flow.sent)
         if req.finished:

@@ -92,7 +92,13 @@ def fit(steps: Sequence[Step]) -> tuple[ProfileStep, dict[str, Any]]:
     if len(steps) < 8:
         raise SimError(f"{len(steps)} steps with work: at least 8 are needed to fit a profile")
     top = max(_tokens(d, p) for _, d, p in steps)
-    knots = [k for k in KNOTS if k < top] + [next((k for k in KNOTS if k >= top), KNOTS[-1])]
+    knots = [k for k in KNOTS if k < top]
+    last = KNOTS[-1]
+    while last < top:  # steps past the table (chunked prefill off, a long context): keep doubling
+        last *= 2
+        if last < top:
+            knots.append(last)
+    knots.append(next((k for k in KNOTS if k >= top), last))
     nk = len(knots)
     # Columns: overhead, increments of tokens() at each knot (cumulative: monotone), decode rate, prefill rate.
     cum = np.tril(np.ones((nk, nk)))  # y = cum @ delta
@@ -171,7 +177,8 @@ def read_steps(src: str, token: str | None = None) -> tuple[list[Step], dict[str
     return parse_records(text.splitlines(), src), {"source": src}
 
 
-def calibrate_steps(sources: list[str], out: str, token: str | None = None, system: str = "measured") -> dict[str, Any]:
+def calibrate_steps(sources: list[str], out: str, token: str | None = None, system: str = "measured",
+                    tp: int = 1) -> dict[str, Any]:
     """Fit one profile to every step of `sources` and write it to `out`."""
     steps: list[Step] = []
     metas = []
@@ -185,7 +192,7 @@ def calibrate_steps(sources: list[str], out: str, token: str | None = None, syst
     doc = step.to_dict(source={"kind": "measured", "from": metas, "fit": report, "simulated": simulated,
                                "model_file": "bench/sim/stepfit.py"},
                        model=next((m["model"] for m in metas if m.get("model")), None), system=system,
-                       tp=1, kv_cache_dtype=next((m["kv_cache_dtype"] for m in metas if m.get("kv_cache_dtype")), None))
+                       tp=tp, kv_cache_dtype=next((m["kv_cache_dtype"] for m in metas if m.get("kv_cache_dtype")), None))
     doc["kv_bytes_per_token"] = kv
     cache = next((m["kv_cache_tokens"] for m in metas if m.get("kv_cache_tokens")), 0)
     if cache:

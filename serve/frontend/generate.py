@@ -151,14 +151,21 @@ class Generation:
                     await asyncio.shield(self._release(plan.prefill, request_id))
 
     def _observer(self, plan: RoutePlan, worker: WorkerEntry,
-                  kv_transfer: TransferParams | None) -> Callable[[float, float], None] | None:
+                  kv_transfer: TransferParams | None) -> Callable[[float, float | None], None] | None:
         """What the decode stream's first token tells the split estimates (`router.split`):
         with remote KV, its wait for the bytes it read from the holder; without, the worker's
         own prefill of the prompt's uncached part (a conditional or fallback path)."""
         costs = self.routing.costs
         if kv_transfer is not None and plan.prefill is not None:
+            if worker is not plan.decode or not plan.transfer_bytes:  # a retry's cache, or a size, unknown here
+                return None
             holder, nbytes = plan.prefill.url, plan.transfer_bytes
-            return lambda took, kv_load_s: costs.observe_transfer(holder, nbytes, min(took, kv_load_s))
+
+            def transfer(took: float, kv_load_s: float | None) -> None:
+                if kv_load_s is not None:  # a worker without per-request stats says nothing: learn nothing
+                    costs.observe_transfer(holder, nbytes, min(took, kv_load_s))
+
+            return transfer
         if plan.reason != "agg" and worker is plan.decode:  # another worker's (a retry's) cache is unknown here
             tokens = plan.uncached_tokens
             return lambda took, kv_load_s: costs.observe_prefill(worker.url, tokens, took)
@@ -260,7 +267,7 @@ class Generation:
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,
                       deadline: float, n_prompt: int, first: _First, timing: RequestTiming,
                       after_prefill: bool,
-                      observe: Callable[[float, float], None] | None = None) -> AsyncIterator[TextEvent]:
+                      observe: Callable[[float, float | None], None] | None = None) -> AsyncIterator[TextEvent]:
         """One worker's stream, after the tokens `first` already gave the client (the
         prefill's). A retry on another worker happens only before this stream's first token
         (`run`), so TTFT is observed once per request."""
@@ -271,7 +278,7 @@ class Generation:
         first_token_at: float | None = first.at if first.tokens else None
         timeout = httpx.Timeout(connect=self.connect_timeout_s, read=self.read_timeout_s, write=10.0, pool=10.0)
         sent = time.monotonic()
-        kv_load_s = 0.0
+        kv_load_s: float | None = None  # the decode worker's reported wait for the KV (None: not reported)
         try:
             async with self.client.stream("POST", f"{worker.url}/generate", content=body, timeout=timeout,
                                           headers={"content-type": "application/json",
@@ -313,7 +320,7 @@ class Generation:
                             is_first = True
                             took = now - sent
                             if after_prefill:  # the decode worker's share: its KV wait, then its first step
-                                kv = min(took, kv_load_s)
+                                kv = min(took, kv_load_s or 0.0)
                                 timing.add("kv_transfer", kv)
                                 timing.add("decode_first_step", took - kv)
                             else:  # the one worker's prefill (and first step)

@@ -17,7 +17,7 @@ with only aggregated workers the request runs on the least-loaded one (aggregate
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from router.errors import NoCandidates
 from router.filters import compatible_with, eligible
@@ -69,7 +69,7 @@ class Routing:
         self._views_key: tuple[int, int] = (-1, -1)
         self._views_horizon = float("inf")
         self._cands: dict[int, tuple] = {}
-        self.costs = SplitCosts()  # measured transfers and prefills (auto conditional disaggregation)
+        self.costs = SplitCosts(pool.clock)  # measured transfers and prefills (auto conditional disaggregation)
 
     # -- filter stage -----------------------------------------------------------------
     def eligible(self, roles: Collection[str], exclude: Collection[str] = ()) -> list[WorkerEntry]:
@@ -84,6 +84,7 @@ class Routing:
             self._eligible.clear()
             self._compat.clear()
             self._views_key = (WorkerEntry.version, len(self.pool.workers))
+            self.costs.prune(self.pool.workers)  # lines of workers gone from the pool
             self._views_horizon = min((e.lease_expiry for e in self.pool.workers.values()
                                        if e.lease_expiry > now), default=float("inf"))
         key = tuple(roles)
@@ -185,13 +186,12 @@ class Routing:
         holder = self.pool.workers[pd.worker_id]
         uncached_blocks = max(0, dd.prompt_blocks - dd.overlap_blocks)
         bpb = holder.info.kv_bytes_per_block if holder.info is not None else 0
-        plan.transfer_bytes = uncached_blocks * bpb if bpb else uncached_blocks  # in blocks where bytes are unknown
+        plan.transfer_bytes = uncached_blocks * bpb  # 0 where the holder does not say its block bytes
         if auto:
-            est = self.costs.estimate(uncached_tokens=uncached, transfer_bytes=plan.transfer_bytes,
+            est = self.costs.estimate(uncached_tokens=uncached,
+                                      transfer_bytes=plan.transfer_bytes if bpb else None,
                                       prefill_worker=holder.url, decode_worker=chosen.url,
                                       queued_prefill_tokens=self.load.blocks(holder.url, "prefill") * bs)
-            if not bpb:
-                est = replace(est, bandwidth_gbps=None)
             split, plan.split_why = decide(est)
             plan.split = est
             if not split:

@@ -249,6 +249,7 @@ class Worker:
 
     async def get_steps(self, since: int = 0) -> Response:
         """`GET /steps?since=N`: the engine's steps from N on (serve.step_hook)."""
+        await asyncio.to_thread(self.steps.poll)
         steps = self.steps.since(max(0, since))
         engine = self.backend.name if self.backend is not None else "none"
         reply = p.StepsReply(worker_id=self.worker_id, role=self.settings.role, engine=engine,
@@ -293,7 +294,7 @@ class Worker:
         load = self.load()
         self.metrics.kv_usage.labels(role).set(load.kv_usage)
         self.metrics.queue.labels(role).set(load.waiting_requests)
-        self.steps.poll()
+        await asyncio.to_thread(self.steps.poll)
         engine = self.engine.metrics_text() if self.engine is not None else b""
         body = engine + generate_latest(self.metrics.registry)
         return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -65,6 +65,9 @@ def step_records_path(s: WorkerSettings) -> str:
     """A file of this worker's own for its engine's step records (removed when it stops)."""
     import tempfile
 
+    from serve.worker.steps import sweep_dead
+
+    sweep_dead(tempfile.gettempdir())  # files of killed workers
     return os.path.join(tempfile.gettempdir(), f"pdserve-steps-{s.port}-{os.getpid()}.jsonl")
 
 

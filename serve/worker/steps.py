@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -33,6 +34,7 @@ class StepLog:
         self._offset = 0
         self._inode: int | None = None
         self._partial = b""
+        self._lock = threading.Lock()  # polls come from the event loop's worker threads
 
     def add(self, start: float, seconds: float, decodes: list[int], prefills: list[list[int]]) -> None:
         self.records.append(p.StepRecord(seq=self.next_seq, t=start, s=seconds, d=decodes, p=prefills))
@@ -41,20 +43,24 @@ class StepLog:
             self.observe(seconds)
 
     def poll(self) -> int:
-        """Read the steps the engine wrote since the last poll; how many."""
+        """Read the steps the engine wrote since the last poll; how many. Blocking file I/O:
+        handlers call it in a thread."""
         if not self.path:
             return 0
-        try:
-            st = os.stat(self.path)
-        except FileNotFoundError:
-            return 0
-        n = 0
-        if self._inode is not None and st.st_ino != self._inode:
-            # Rotated: finish the old file (now <path>.1), then start the new one.
-            n += self._read(self.path + ".1")
-            self._offset, self._partial = 0, b""
-        self._inode = st.st_ino
-        return n + self._read(self.path)
+        with self._lock:
+            try:
+                st = os.stat(self.path)
+            except FileNotFoundError:
+                return 0
+            n = 0
+            if self._inode is not None and st.st_ino != self._inode:
+                # Rotated: finish the old file (now <path>.1), then start the new one.
+                n += self._read(self.path + ".1")
+                self._offset, self._partial = 0, b""
+            elif st.st_size < self._offset:  # rotated twice between polls (or the inode reused)
+                self._offset, self._partial = 0, b""
+            self._inode = st.st_ino
+            return n + self._read(self.path)
 
     def _read(self, path: str) -> int:
         try:
@@ -81,7 +87,6 @@ class StepLog:
 
     def since(self, seq: int) -> list[p.StepRecord]:
         """Kept records numbered `seq` or later (older ones are gone: the reply says from where)."""
-        self.poll()
         if not self.records:
             return []
         first = self.records[0].seq
@@ -92,3 +97,27 @@ class StepLog:
             for f in (self.path, self.path + ".1"):
                 with contextlib.suppress(OSError):
                     os.unlink(f)
+
+
+def sweep_dead(directory: str, prefix: str = "pdserve-steps-") -> None:
+    """Remove step files of workers that are gone (killed: they could not remove their own);
+    a file's name ends in its worker's pid (`<prefix><port>-<pid>.jsonl[.1]`)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(prefix):
+            continue
+        stem = name.removesuffix(".1").removesuffix(".jsonl")
+        try:
+            pid = int(stem.rsplit("-", 1)[1])
+        except (IndexError, ValueError):
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass  # alive (another user's): not ours to remove

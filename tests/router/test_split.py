@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from router.split import MIN_SAMPLES, OnlineLine, SplitCosts, SplitEstimate, decide
+from router.split import MIN_SAMPLES, STALE_S, OnlineLine, SplitCosts, SplitEstimate, decide
 
 
 def test_a_line_recovers_latency_and_bandwidth():
@@ -89,3 +89,22 @@ def test_bad_samples_are_ignored():
     c.observe_prefill("p0", -5, 1.0)
     c.observe_prefill("p0", 5, -1.0)
     assert c.transfer_pool.n == 0 and c.prefill_pool.n == 0
+
+
+def test_a_line_not_renewed_for_a_while_is_measured_again_and_gone_workers_are_pruned():
+    now = [0.0]
+    c = SplitCosts(clock=lambda: now[0])
+    for i in range(MIN_SAMPLES):
+        c.observe_transfer("p0", (i + 1) * 10**6, 1.0)  # a slow link: every request stays local...
+        c.observe_prefill("p0", (i + 1) * 100, 0.01)
+    est = dict(uncached_tokens=300, transfer_bytes=10**6, prefill_worker="p0", decode_worker="d0",
+               queued_prefill_tokens=0)
+    assert decide(c.estimate(**est))[0] is False
+    now[0] = STALE_S + 1  # ...until its line is old: then one request splits, and measures it again
+    e = c.estimate(**est)
+    assert e.transfer_s is None and decide(e) == (True, "not measured yet: split (the default)")
+    # A holder that does not say its block bytes: no transfer estimate (split), never a guess in blocks.
+    now[0] = 0.0
+    assert c.estimate(**{**est, "transfer_bytes": None}).transfer_s is None
+    c.prune({"d0"})
+    assert c.transfer == {} and c.prefill == {}

@@ -96,3 +96,11 @@ def test_calibrate_reads_a_live_simulated_workers_steps_and_says_they_are_simula
     for s in steps:
         chunks = [tuple(c) for c in s["p"]]
         assert fitted.step_seconds(s["d"], chunks) == pytest.approx(s["s"], rel=0.05)
+
+
+def test_steps_past_the_knot_table_extend_it():
+    long = [(TRUE.step_seconds([], [(0, n)]), [], [[0, n]]) for n in (100_000, 150_000, 90_000, 120_000)]
+    steps = [(TRUE.step_seconds(d, [tuple(c) for c in p]), d, p) for d, p in batches(60)] + long
+    step, report = fit(steps)
+    assert report["max_step_tokens"] == 150_000 and step.token_points[-1][0] >= 150_000
+    assert len({k for k, _ in step.token_points}) == len(step.token_points)  # no repeated knot

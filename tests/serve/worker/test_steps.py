@@ -91,3 +91,19 @@ def test_a_simulated_worker_reports_its_modelled_steps(model_dir):
             assert metric(m, "pdserve_worker_step_seconds_count", role="agg") == len(steps)
 
     asyncio.run(run())
+
+
+def test_step_files_of_killed_workers_are_swept(tmp_path):
+    import subprocess
+    import sys
+
+    from serve.worker.steps import sweep_dead
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    names = [f"pdserve-steps-8100-{dead}.jsonl", f"pdserve-steps-8100-{dead}.jsonl.1",
+             f"pdserve-steps-8101-{os.getpid()}.jsonl", "pdserve-steps-odd.jsonl", "other.jsonl"]
+    for n in names:
+        (tmp_path / n).write_text("")
+    sweep_dead(str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
