@@ -60,8 +60,15 @@ def batch_of(scheduler_output: Any) -> tuple[list[int], list[list[int]]]:
 class StepWriter:
     def __init__(self, path: str) -> None:
         self.path = path
-        self.f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - held for the process's life
+        self.f = self._open()
         self.broken = False
+
+    def _open(self) -> Any:
+        import fcntl
+
+        f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - held for the process's life
+        fcntl.flock(f, fcntl.LOCK_SH)  # "in use": workers sweeping leftover files skip it
+        return f
 
     def write(self, start: float, seconds: float, decodes: list[int], prefills: list[list[int]]) -> None:
         if self.broken:
@@ -73,7 +80,7 @@ class StepWriter:
             if self.f.tell() >= ROTATE_BYTES:
                 self.f.close()
                 os.replace(self.path, self.path + ".1")
-                self.f = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+                self.f = self._open()
         except Exception:  # noqa: BLE001 - never take a step down over a record
             self.broken = True
             log.exception("pdserve: step records to %s failed; recording stops", self.path)

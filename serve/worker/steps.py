@@ -100,24 +100,28 @@ class StepLog:
 
 
 def sweep_dead(directory: str, prefix: str = "pdserve-steps-") -> None:
-    """Remove step files of workers that are gone (killed: they could not remove their own);
-    a file's name ends in its worker's pid (`<prefix><port>-<pid>.jsonl[.1]`)."""
+    """Remove step files no engine writes any more (their worker was killed and could not
+    remove them). A writing engine holds a shared lock on its file (`serve.step_hook`); a
+    file nobody locks is left over. (Not a pid check: workers in another PID namespace, as
+    under `unshare --pid`, would see live workers' pids as dead.) A rotated `<file>.1` goes
+    with its file."""
+    import fcntl
+
     try:
         names = os.listdir(directory)
     except OSError:
         return
     for name in names:
-        if not name.startswith(prefix):
+        if not name.startswith(prefix) or not name.endswith(".jsonl"):
             continue
-        stem = name.removesuffix(".1").removesuffix(".jsonl")
+        path = os.path.join(directory, name)
         try:
-            pid = int(stem.rsplit("-", 1)[1])
-        except (IndexError, ValueError):
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
+            with open(path, "rb") as f:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # an engine writes it
         except OSError:
-            pass  # alive (another user's): not ours to remove
+            continue
+        for stale in (path, path + ".1"):
+            with contextlib.suppress(OSError):
+                os.unlink(stale)

@@ -93,17 +93,18 @@ def test_a_simulated_worker_reports_its_modelled_steps(model_dir):
     asyncio.run(run())
 
 
-def test_step_files_of_killed_workers_are_swept(tmp_path):
-    import subprocess
-    import sys
-
+def test_step_files_no_engine_writes_are_swept(tmp_path):
     from serve.worker.steps import sweep_dead
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True).stdout.strip()
-    names = [f"pdserve-steps-8100-{dead}.jsonl", f"pdserve-steps-8100-{dead}.jsonl.1",
-             f"pdserve-steps-8101-{os.getpid()}.jsonl", "pdserve-steps-odd.jsonl", "other.jsonl"]
-    for n in names:
+    live = StepWriter(str(tmp_path / "pdserve-steps-8101-11.jsonl"))  # an engine writing (it holds the lock)
+    live.write(1.0, 0.01, [5], [])
+    (tmp_path / "pdserve-steps-8101-11.jsonl.1").write_text("")
+    left = ["pdserve-steps-8100-10.jsonl", "pdserve-steps-8100-10.jsonl.1"]  # a killed worker's
+    for n in [*left, "other.jsonl"]:
         (tmp_path / n).write_text("")
     sweep_dead(str(tmp_path))
-    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+    assert sorted(os.listdir(tmp_path)) == ["other.jsonl", "pdserve-steps-8101-11.jsonl",
+                                            "pdserve-steps-8101-11.jsonl.1"]
+    live.f.close()  # the engine is gone: its file goes at the next sweep
+    sweep_dead(str(tmp_path))
+    assert os.listdir(tmp_path) == ["other.jsonl"]
