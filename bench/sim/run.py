@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import json
+import random
 import sys
 import time
 from array import array
@@ -92,6 +93,9 @@ def simulate(cfg: ProfileConfig, spec: SimSpec, progress: bool = True) -> tuple[
     loop = Loop()
     cluster = OfflineCluster(loop, spec.settings, spec.roles, spec.engine, spec.step_model, spec.bytes_per_block,
                              spec.link)
+    # The router breaks ties (and samples, with a temperature, and picks at random in random
+    # mode) from its own stream: seeded here, the same seed gives the same simulation.
+    cluster.routing.router.rng = random.Random(f"{cfg.random_seed}:router")
     sessions = build_sessions(cfg)
     flows: list[Flow] = []
     driver = Driver(cfg, sessions, cluster, loop, flows.append)
