@@ -54,6 +54,19 @@ LONG_UNITS = (ENGINE_UNIT, TORCH_UNIT, "tests/bench/loadgen/test_profile_fake.py
               "tests/serve/frontend/test_routing_sim.py", "tests/serve/frontend/test_fuzz_openai.py")
 
 
+# Engine modules run first in the engine unit, before the session's shared engines (the
+# aggregated worker, the real disaggregated cluster) start: `pdserve up --mode disagg`
+# starts two engines of its own and refuses to start when memory for them is short, as it
+# was with three shared engines alive (24 GiB here).
+ENGINE_FIRST = ("tests/serve/deploy/test_launcher.py",)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    first = [i for i in items if i.nodeid.split("::", 1)[0] in ENGINE_FIRST]
+    if first:
+        items[:] = first + [i for i in items if i.nodeid.split("::", 1)[0] not in ENGINE_FIRST]
+
+
 def pytest_xdist_make_scheduler(config: pytest.Config, log):
     from xdist.scheduler import LoadScopeScheduling
 
