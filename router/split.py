@@ -120,18 +120,17 @@ class SplitCosts:
         self.prefill_pool = OnlineLine()
 
     def observe_transfer(self, holder: str, nbytes: int, seconds: float) -> None:
-        if nbytes <= 0 or seconds < 0:
-            return
-        now = self.clock()
-        self.transfer.setdefault(holder, OnlineLine()).add(float(nbytes), seconds, now)
-        self.transfer_pool.add(float(nbytes), seconds, now)
+        self._observe(self.transfer, self.transfer_pool, holder, nbytes, seconds)
 
     def observe_prefill(self, worker: str, tokens: int, seconds: float) -> None:
-        if tokens <= 0 or seconds < 0:
+        self._observe(self.prefill, self.prefill_pool, worker, tokens, seconds)
+
+    def _observe(self, own: dict[str, OnlineLine], pool: OnlineLine, worker: str, size: int, seconds: float) -> None:
+        if size <= 0 or seconds < 0:
             return
         now = self.clock()
-        self.prefill.setdefault(worker, OnlineLine()).add(float(tokens), seconds, now)
-        self.prefill_pool.add(float(tokens), seconds, now)
+        own.setdefault(worker, OnlineLine()).add(float(size), seconds, now)
+        pool.add(float(size), seconds, now)
 
     def forget(self, worker: str) -> None:
         """A worker gone from the pool (its lines with it)."""

@@ -161,6 +161,7 @@ def read_steps(src: str, token: str | None = None) -> tuple[list[Step], dict[str
         except (httpx.HTTPError, ValueError) as exc:
             raise SimError(f"{src}: cannot read its steps ({exc})") from None
         meta = {"source": src, "engine": reply.get("engine"), "simulated": reply.get("simulated"),
+                "role": reply.get("role"),
                 "kv_bytes_per_token": (info.get("kv_bytes_per_block") or 0) // max(1, info.get("block_size") or 1),
                 "kv_cache_dtype": info.get("kv_cache_dtype"), "model": info.get("served_model_name"),
                 "kv_cache_tokens": (info.get("num_kv_blocks") or 0) * (info.get("block_size") or 0)}

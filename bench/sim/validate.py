@@ -115,8 +115,6 @@ def _slowdown(workers: list[str], token: str, profile: Path) -> dict[str, dict[s
     """Each worker's engine steps during this layout's runs, measured over the profile's
     prediction for the same batch: above 1 where the engines ran slower than in the
     calibration (CPU shared with another engine, the frontend, the client, KV transfers)."""
-    import httpx
-
     from bench.sim.stepfit import read_steps
     from serve.sim.profile import load as load_profile
 
@@ -126,9 +124,8 @@ def _slowdown(workers: list[str], token: str, profile: Path) -> dict[str, dict[s
         steps, meta = read_steps(w, token)
         ratios = sorted(s / model.step_seconds(d, [(c, n) for c, n in p]) for s, d, p in steps
                         if model.step_seconds(d, [(c, n) for c, n in p]) > 0)
-        role = httpx.get(f"{w}/info", headers=token_headers(token), timeout=10).json()["role"]
         if ratios:
-            out[f"{role} {w}"] = {"steps": len(ratios), "p50": round(ratios[len(ratios) // 2], 4),
+            out[f"{meta['role']} {w}"] = {"steps": len(ratios), "p50": round(ratios[len(ratios) // 2], 4),
                                   "p90": round(ratios[int(0.9 * (len(ratios) - 1))], 4)}
     return out
 
