@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Where torch's CPU build comes from elsewhere (the CPU image passes PyTorch's CPU index).
 TORCH_INDEX ?=
 
-.PHONY: install run test test-fast model clean-venv aiperf bench-loadgen
+.PHONY: install run test test-fast model clean-venv aiperf bench-loadgen aiconfigurator plan-grid
 
 install: $(STAMP)
 
@@ -61,3 +61,16 @@ $(AIPERF_VENV)/bin/aiperf:
 
 bench-loadgen: model aiperf
 	$(VENV)/bin/pdserve bench loadgen-vs-aiperf --aiperf $(AIPERF_VENV)/bin/aiperf
+
+# AIConfigurator in its own virtualenv (no torch), for the planner's reference grid:
+# `make plan-grid` compares `pdserve plan` with the grid shipped in bench/plan/data;
+# `python -m bench.plan.grid aic` remakes the grid with it.
+AIC_VENV ?= .venv-aic
+aiconfigurator: $(AIC_VENV)/bin/aiconfigurator
+
+$(AIC_VENV)/bin/aiconfigurator:
+	$(PYTHON) -m venv $(AIC_VENV)
+	$(AIC_VENV)/bin/python -m pip install -q aiconfigurator==0.12.0 'plotext<6'
+
+plan-grid: install
+	$(PY) -m bench.plan.grid compare

@@ -58,7 +58,8 @@ def _system(F: float, BW: float, O: float, memory_gib: float) -> SystemSpec:
                       memory_gib=memory_gib, nvlink_gbps=1.0, network_gbps={"rdma": 5.0, "tcp": 1.0},
                       efficiency=dict(ONES), step_overhead_ms=O * 1e3, kv_memory_fraction=1.0,
                       max_num_batched_tokens=8192, gpus_per_node=1,
-                      activation_reserve_gib=0.0)  # no TP across CPU engines
+                      activation_reserve_gib=0.0,  # no TP across CPU engines
+                      chunked_prefill=False)  # pdserve's CPU workers run without it
 
 
 def _predict(s: SystemSpec, run: dict[str, Any], model) -> tuple[float, float]:

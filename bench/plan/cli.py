@@ -35,11 +35,25 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="vllm", choices=["vllm"], help="serving backend modelled (default: vllm)")
     p.add_argument("--backend-version", "--backend_version", dest="backend_version", default=None,
                    help="accepted for AIConfigurator compatibility; the model is version-independent")
-    p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="fp8", help="KV cache dtype (default: fp8)")
+    p.add_argument("--kv-dtype", choices=["fp8", "bf16"], default="bf16",
+                   help="KV cache dtype (default: bf16, the model's own, as vLLM's --kv-cache-dtype auto and "
+                        "AIConfigurator assume; fp8 halves the KV bytes)")
     p.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16", help="weights and GEMMs (default: bf16)")
     p.add_argument("--network", choices=["rdma", "tcp"], default="rdma", help="KV transfer network (default: rdma)")
     p.add_argument("--save-dir", "--save_dir", dest="save_dir", default="artifacts/plan",
                    help="where plan.json and the tables go (default: artifacts/plan)")
+    s = p.add_argument_group("ranking by simulation (bench/plan/simulate.py)")
+    s.add_argument("--simulate", action="store_true",
+                   help="run the best layouts of each mode through the cluster simulator and rank them by simulated "
+                        "goodput per GPU (writes simulated.json)")
+    s.add_argument("--simulate-top", type=int, default=5, help="layouts of each mode to simulate (default: 5)")
+    s.add_argument("--sim-requests", type=int, default=None,
+                   help="requests per simulation (default: 3-20x the layout's concurrency, ~400k output tokens)")
+    s.add_argument("--sim-workload", default=None, metavar="'FLAGS'",
+                   help="`pdserve bench profile` workload flags for the simulations, e.g. '--isl-stddev 800 "
+                        "--request-rate 20 --arrival poisson --num-prefix-prompts 8 --prefix-prompt-length 1000'")
+    s.add_argument("--trace", default=None, metavar="FILE",
+                   help="simulate a Mooncake trace (replayed on its timestamps) instead of the stated workload")
     p.set_defaults(run=run_plan)
 
 
@@ -75,12 +89,44 @@ def run_plan(args: argparse.Namespace) -> int:
                               osl=args.osl, ttft_ms=args.ttft, tpot_ms=args.tpot, backend=args.backend,
                               kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, network=args.network))
         write(doc, args.save_dir)
+        print(summary_text(doc))
+        print(f"saved: {args.save_dir}/plan.json, agg_best.csv, disagg_best.csv, pareto.csv, pareto.png, launch.sh")
+        if args.simulate and doc.winner:
+            _simulate(doc, args)
     except BenchError as e:
         print(f"pdserve plan: error: {e}", file=sys.stderr)
         return 2
-    print(summary_text(doc))
-    print(f"saved: {args.save_dir}/plan.json, agg_best.csv, disagg_best.csv, pareto.csv, pareto.png, launch.sh")
     return 0 if doc.winner else 1
+
+
+def _simulate(doc, args: argparse.Namespace) -> None:
+    import json
+    import time
+    from pathlib import Path
+
+    from bench.plan.errors import PlanError
+    from bench.plan.simulate import simulate_plan, table
+
+    if args.simulate_top < 1 or (args.sim_requests is not None and args.sim_requests < 1):
+        raise PlanError("--simulate-top and --sim-requests must be >= 1")
+    if args.trace and not Path(args.trace).is_file():
+        raise PlanError(f"--trace {args.trace}: no such file")
+    t0 = time.monotonic()
+    out = Path(args.save_dir) / "simulated"
+    rows = simulate_plan(doc, args.simulate_top, args.sim_requests, args.sim_workload, args.trace, str(out))
+    doc_out = {"simulated": True, "ranked_by": "simulated goodput tokens/s per GPU", "targets":
+               {"ttft_ms": doc.targets.ttft_ms, "tpot_ms": doc.targets.tpot_ms},
+               "workload": {"trace": args.trace, "sim_workload": args.sim_workload}, "layouts": rows,
+               "seconds": round(time.monotonic() - t0, 1)}
+    (Path(args.save_dir) / "simulated.json").write_text(json.dumps(doc_out, indent=1) + "\n")
+    print()
+    print(table(rows))
+    best = rows[0] if rows else None
+    if best:
+        closed = doc.winner
+        print(f"SIMULATED winner: {best['mode']}: {best['layout']} (closed form: {closed}); "
+              f"{len(rows)} simulations in {doc_out['seconds']} s")
+    print(f"saved: {args.save_dir}/simulated.json")
 
 
 def run_bench(args: argparse.Namespace) -> int:

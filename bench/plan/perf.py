@@ -12,7 +12,8 @@ Per GPU, with tensor parallelism `tp` splitting weights, KV heads and FLOPs even
   decode_attn(B, c)  = max(B * c * kv_bytes_per_token / tp / (hbm * e_decode_attn),
                            4 * L * H * d * c * B / tp / (peak_bf16 * e_prefill_attn))
   allreduce(T)       = tp > 1: 2 * L all-reduces of T * hidden * 2 bytes, each
-                       2 (tp - 1) / tp * bytes / (nvlink * e_nvlink) + 10 us
+                       2 (tp - 1) / tp * bytes / (nvlink * e_nvlink) + the system's
+                       all-reduce latency (allreduce_latency_us)
   elementwise(T)     = T * L * 2 bytes * (10 hidden + 3 intermediate + 2 (H + KV heads) d)
                        / tp / (hbm * e_hbm): RMSNorms, residual adds, SiLU*mul and RoPE read
                        and write bf16 activations once each
@@ -21,11 +22,21 @@ Per GPU, with tensor parallelism `tp` splitting weights, KV heads and FLOPs even
   kv_bytes_per_token = 2 (K and V) * L * KV heads * d * bytes(kv dtype)   (fp8: 1, bf16: 2)
   KV transfer(S)     = S * kv_bytes_per_token / (network * e_network)
 
-Aggregated (in-flight batching, chunked prefill): B requests decode together; each also needs
-ISL prefill tokens, spread over its OSL steps, so an average step carries B decode tokens plus
-B * ISL / OSL prefill tokens: TPOT = step(B decode at context ISL + OSL/2, B*ISL/OSL prefill).
-A new request's prompt goes through in ceil(ISL / (budget - B)) chunked steps, after waiting
-half a step on average: TTFT = 0.5 * TPOT + chunks * step(B decode, chunk prefill).
+Aggregated (in-flight batching, vLLM V1's scheduler): B requests decode together, one token
+each per step; the step's remaining token budget (`max_num_batched_tokens` - B) takes prompt
+tokens. In steady state B new prompts of ISL tokens arrive per OSL steps: r = B * ISL / OSL
+prompt tokens per step on average. They do not spread evenly: a prompt goes through in
+chunks of c = min(ISL, budget - B) tokens (the whole prompt when chunked prefill is off),
+each riding on one step, so a share f = min(1, r / c) of steps is a mixed step (B decodes +
+c prompt tokens, compute-bound) and the rest decode only (weight-streaming bound):
+  TPOT = f * step(B decode at ISL + OSL/2, c prefill) + (1 - f) * step(B decode)
+(spreading r evenly over every step would hide the prompts' compute under the weight
+streaming of a memory-bound decode step). A new prompt waits half a step on average, then
+goes through in ceil(ISL / c) mixed steps: TTFT = 0.5 * TPOT + chunks * step(B, c prefill).
+When r > c the steps cannot keep up with B: the sustainable rate is c / ISL prompts per
+mixed step. Prompts also wait behind each other for the budget: an M/D/1 queue whose
+service is a prompt's mixed steps (shared by the prompts one step's budget holds), fed at
+the replica's request rate, adds rho * service / (2 (1 - rho)) to TTFT.
 
 Aggregated, synchronized (`predict_agg_waves`): a closed-loop benchmark whose requests all
 have the same ISL and OSL (the guide's load test: fixed lengths, ignore_eos) keeps its B
@@ -58,7 +69,6 @@ from bench.plan.specs import ModelShape, SystemSpec
 from serve.sim.profile import ProfileStep, from_dict
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
-ALLREDUCE_LATENCY_S = 10e-6
 _PROFILES: dict[int, tuple[dict, ProfileStep]] = {}  # parsed measured profiles, by their document
 
 
@@ -116,7 +126,7 @@ class Engine:
             return 0.0
         size = tokens * self.model.hidden * 2
         per = 2 * (self.tp - 1) / self.tp * size / (self.system.nvlink_gbps * 1e9 * self.system.efficiency["nvlink"])
-        return 2 * self.model.layers * (per + ALLREDUCE_LATENCY_S)
+        return 2 * self.model.layers * (per + self.system.allreduce_latency_us * 1e-6)
 
     @property
     def profile(self) -> ProfileStep | None:
@@ -189,13 +199,23 @@ def _finish(ttft_s: float, tpot_s: float, rps: float, osl: int, gpus: int) -> Pr
 def predict_agg(e: Engine, batch: int, replicas: int, isl: int, osl: int) -> Prediction:
     """Aggregated: `replicas` engines of `e.tp` GPUs, `batch` requests in flight each."""
     ctx = isl + osl / 2
-    tpot = e.step_s(batch, ctx, batch * isl / osl, isl)
-    budget = max(e.system.max_num_batched_tokens - batch, 1)
-    chunks = math.ceil(isl / budget)
-    chunk = isl / chunks
-    ttft = 0.5 * tpot + chunks * e.step_s(batch, ctx, chunk, isl)
+    budget = e.system.max_num_batched_tokens
+    chunk = float(isl) if not e.system.chunked_prefill else float(min(isl, max(budget - batch, 1)))
+    per_step = batch * isl / osl  # prompt tokens per step the batch needs
+    mixed_share = min(1.0, per_step / chunk)
+    mixed = e.step_s(batch, ctx, chunk, isl)
+    tpot = mixed_share * mixed + (1 - mixed_share) * e.step_s(batch, ctx)
+    chunks = math.ceil(isl / chunk)
+    # Prompts queue for the budget behind each other (M/D/1): each holds `chunks` mixed steps,
+    # shared with the others that fit in the same steps' budget.
+    service = chunks * mixed / max(1, (budget - batch) // isl if e.system.chunked_prefill else 1)
+    rate = batch / ((osl - 1) * tpot + chunks * mixed)  # prompts/s into one replica
+    rho = min(rate * service, 0.95)
+    ttft = 0.5 * tpot + chunks * mixed + rho * service / (2 * (1 - rho))
     latency = ttft + (osl - 1) * tpot
     rps = replicas * batch / latency
+    if per_step > chunk:  # every step is mixed and still short of prompt tokens: prompt-bound
+        rps = min(rps, replicas * chunk / isl / mixed)
     return _finish(ttft, tpot, rps, osl, replicas * e.tp)
 
 
@@ -229,12 +249,30 @@ def decode_tpot_s(de: Engine, decode_batch: int, isl: int, osl: int) -> float:
     return de.step_s(decode_batch, isl + osl / 2) * de.system.disagg["decode_latency"]
 
 
-def predict_disagg(pe: Engine, de: Engine, prefill_workers: int, decode_workers: int, prefill_batch: int,
-                   decode_batch: int, isl: int, osl: int, ttft_target_ms: float, network: str) -> Prediction:
+@dataclass(frozen=True)
+class DisaggUnit:
+    """One prefill and one decode worker of a disaggregated layout: what P and D scale."""
+
+    ttft_s: float
+    tpot_s: float
+    prefill_rps: float  # one prefill worker's requests/s within the TTFT target
+    decode_rps: float  # one decode worker's
+
+    def predict(self, prefill_workers: int, decode_workers: int, osl: int, gpus: int) -> Prediction:
+        rps = min(prefill_workers * self.prefill_rps, decode_workers * self.decode_rps)
+        return _finish(self.ttft_s, self.tpot_s, rps, osl, gpus)
+
+
+def disagg_unit(pe: Engine, de: Engine, prefill_batch: int, decode_batch: int, isl: int, osl: int,
+                ttft_target_ms: float, network: str) -> DisaggUnit:
     tpot = decode_tpot_s(de, decode_batch, isl, osl)
     transfer = pe.kv_transfer_s(isl, network)
     cap_p, ttft_p = prefill_capacity(pe, prefill_batch, isl, ttft_target_ms / 1000.0 - transfer - tpot)
     cap_d = de.system.disagg["decode_occupancy"] * decode_batch / (max(osl - 1, 1) * tpot)
-    rps = min(prefill_workers * cap_p, decode_workers * cap_d)
-    ttft = ttft_p + transfer + tpot
-    return _finish(ttft, tpot, rps, osl, prefill_workers * pe.tp + decode_workers * de.tp)
+    return DisaggUnit(ttft_p + transfer + tpot, tpot, cap_p, cap_d)
+
+
+def predict_disagg(pe: Engine, de: Engine, prefill_workers: int, decode_workers: int, prefill_batch: int,
+                   decode_batch: int, isl: int, osl: int, ttft_target_ms: float, network: str) -> Prediction:
+    unit = disagg_unit(pe, de, prefill_batch, decode_batch, isl, osl, ttft_target_ms, network)
+    return unit.predict(prefill_workers, decode_workers, osl, prefill_workers * pe.tp + decode_workers * de.tp)

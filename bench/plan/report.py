@@ -21,7 +21,7 @@ from pathlib import Path
 from bench.plan.errors import PlanError
 from bench.plan.search import Layout, agg_layouts, disagg_layouts, pareto, rank
 from bench.plan.specs import ModelShape, SystemSpec, load_model, load_system
-from serve.deploy.plan import (DeployError, Launch, Pareto, Plan, PlannedLayout, Searched, Targets,
+from serve.deploy.plan import (NEAR_TIE, DeployError, Launch, Pareto, Plan, PlannedLayout, Searched, Targets,
                                load_plan, write_plan)
 from serve.deploy.plan import Inputs as PlanInputs
 CSV_COLUMNS = ("rank", "layout", "tokens_per_s_per_gpu", "tokens_per_s_per_user", "ttft_ms", "tpot_ms",
@@ -62,6 +62,8 @@ def plan(i: PlanInputs) -> Plan:
         winner = "agg" if a else ("disagg" if d else None)
         ratio = None
     best = a if winner == "agg" else d
+    tie = bool(a and d and abs(ratio - 1) <= NEAR_TIE)
+    other = (d if winner == "agg" else a) if tie else None
     return Plan(
         inputs=i, model=model.to_plan(), system=system.to_plan(), targets=t, kv_dtype=kv,
         agg_best=a.to_plan() if a else None, disagg_best=d.to_plan() if d else None,
@@ -71,6 +73,8 @@ def plan(i: PlanInputs) -> Plan:
         searched=Searched(agg=len(agg), disagg=len(dis), seconds=elapsed),
         launch=launch_commands(best, model, i, system) if best else None,
         load_test=load_test_command(best, model, i) if best else None,
+        near_tie=tie, other_launch=launch_commands(other, model, i, system) if other else None,
+        other_load_test=load_test_command(other, model, i) if other else None,
     )
 
 
@@ -144,6 +148,11 @@ def summary_text(doc: Plan) -> str:
     if best and doc.launch and doc.load_test:
         out.append(f"winner: {'aggregated' if doc.winner == 'agg' else 'disaggregated'}: {best.layout}")
         out += ["", "launch: " + doc.launch.up, "check:  " + doc.load_test]
+        if doc.near_tie and doc.other_launch and doc.other_load_test:
+            other = "disaggregated" if doc.winner == "agg" else "aggregated"
+            out += ["", f"near tie: the two architectures are within {NEAR_TIE:.0%} per GPU, closer than the model "
+                        f"can tell apart: measure both. The {other} layout:",
+                    "launch: " + doc.other_launch.up, "check:  " + doc.other_load_test]
     else:
         out.append("no layout meets the targets: relax --ttft/--tpot or add GPUs")
     out.append(f"(searched {doc.searched.agg} aggregated and {doc.searched.disagg} disaggregated "
@@ -197,6 +206,9 @@ def write(doc: Plan, save_dir: Path) -> None:
                  "# Or per process on a cluster (frontend first):", "# " + doc.launch.frontend,
                  *["# " + w for w in doc.launch.workers], "", "# Load test that checks the prediction:",
                  "# " + doc.load_test]
+        if doc.near_tie and doc.other_launch and doc.other_load_test:
+            lines += ["", f"# Near tie (within {NEAR_TIE:.0%} per GPU): measure the other architecture too:",
+                      "# " + doc.other_launch.up, "# " + doc.other_load_test]
         (d / "launch.sh").write_text("\n".join(lines) + "\n")
 
 

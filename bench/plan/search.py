@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Iterator
 
-from bench.plan.perf import Engine, Prediction, predict_agg, predict_disagg
+from bench.plan.perf import Engine, Prediction, disagg_unit, predict_agg
 from bench.plan.specs import ModelShape, SystemSpec
 from serve.deploy.plan import PlannedLayout, Targets
 
@@ -92,31 +92,20 @@ def disagg_layouts(model: ModelShape, system: SystemSpec, total: int, isl: int, 
                         continue
                     if pe.max_batch(isl, 1) < pb:
                         continue
-                    unit = predict_disagg(pe, de, 1, 1, pb, db, isl, osl, t.ttft_ms, network)
-                    if unit.requests_per_s <= 0:
+                    unit = disagg_unit(pe, de, pb, db, isl, osl, t.ttft_ms, network)
+                    if unit.prefill_rps <= 0 or unit.decode_rps <= 0:
                         continue
-                    # capacities of one worker of each role, from the 1P1D prediction
-                    cap_p = _capacity(pe, de, pb, db, isl, osl, t, network, "prefill")
-                    cap_d = _capacity(pe, de, pb, db, isl, osl, t, network, "decode")
+                    cap_p, cap_d = unit.prefill_rps, unit.decode_rps  # one worker of each role
                     for P in range(1, (total - dtp) // ptp + 1):
                         D_max = (total - P * ptp) // dtp
                         if D_max < 1:
                             break
                         # the fewest decode workers that keep up with P prefill workers, or all
-                        need = max(1, min(D_max, -(-P * cap_p // cap_d) if cap_d else D_max))
+                        need = max(1, min(D_max, -(-P * cap_p // cap_d)))
                         for D in {int(need), max(1, int(need) - 1)}:
-                            p = predict_disagg(pe, de, P, D, pb, db, isl, osl, t.ttft_ms, network)
+                            p = unit.predict(P, D, osl, P * ptp + D * dtp)
                             yield Layout("disagg", p, prefill_tp=ptp, prefill_workers=P, prefill_batch=pb,
                                          decode_tp=dtp, decode_workers=D, decode_batch=db, meets=_meets(p, t))
-
-
-def _capacity(pe: Engine, de: Engine, pb: int, db: int, isl: int, osl: int, t: Targets, network: str,
-              role: str) -> float:
-    # One worker of `role` beside an unlimited number of the other role.
-    big = 10**6
-    if role == "prefill":
-        return predict_disagg(pe, de, 1, big, pb, db, isl, osl, t.ttft_ms, network).requests_per_s
-    return predict_disagg(pe, de, big, 1, pb, db, isl, osl, t.ttft_ms, network).requests_per_s
 
 
 def rank(layouts: list[Layout]) -> list[Layout]:

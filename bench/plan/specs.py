@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from importlib.resources import files
 from pathlib import Path
 from typing import Any
@@ -32,19 +33,19 @@ class ModelShape:
     vocab: int
     tied_embeddings: bool = False
 
-    @property
+    @cached_property
     def params_per_layer(self) -> int:
         h, d = self.hidden, self.head_dim
         attn = h * self.heads * d + 2 * h * self.kv_heads * d + self.heads * d * h
         mlp = 3 * h * self.intermediate  # gate, up, down (SwiGLU)
         return attn + mlp
 
-    @property
+    @cached_property
     def linear_params(self) -> int:
         """Parameters multiplied per token: every layer's projections and MLP, and the LM head."""
         return self.layers * self.params_per_layer + self.vocab * self.hidden
 
-    @property
+    @cached_property
     def weight_params(self) -> int:
         """All parameters held in memory (embeddings counted once when tied)."""
         emb = self.vocab * self.hidden
@@ -75,6 +76,8 @@ class SystemSpec:
     max_num_batched_tokens: int = 8192
     gpus_per_node: int = 8
     activation_reserve_gib: float = 2.0  # per engine, besides weights and KV cache
+    chunked_prefill: bool = True  # the engine's setting (CPU workers run without it)
+    allreduce_latency_us: float = 10.0  # one TP all-reduce's fixed cost (launch + synchronisation)
     # disaggregated-only factors (see perf.py): prefill_latency, decode_latency,
     # prefill_utilisation, decode_occupancy
     disagg: dict[str, float] = field(default_factory=lambda: dict(DISAGG_NEUTRAL))
@@ -185,6 +188,8 @@ def load_system(name: str) -> SystemSpec:
         kv_memory_fraction=s.get("kv_memory_fraction", defaults["kv_memory_fraction"]),
         max_num_batched_tokens=s.get("max_num_batched_tokens", defaults["max_num_batched_tokens"]),
         gpus_per_node=s.get("gpus_per_node", 8), activation_reserve_gib=s.get("activation_reserve_gib", 2.0),
+        chunked_prefill=bool(s.get("chunked_prefill", True)),
+        allreduce_latency_us=float(s.get("allreduce_latency_us", defaults.get("allreduce_latency_us", 10.0))),
         disagg={k: float(v) for k, v in disagg.items()},
         sources={**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})})
 
@@ -196,7 +201,9 @@ def system_of_profile(doc: dict[str, Any], where: str) -> SystemSpec:
     """A step-time profile (`pdserve.profile/1`, e.g. from `pdserve bench calibrate --steps`)
     as a planner system: its step model stands for the roofline (`Engine.step_s`), its
     `kv_cache_tokens` for the KV capacity of one engine, its `transfer` link for both
-    networks. It was measured at one TP (`tp`), so the planner ranks layouts of that TP only."""
+    networks. It was measured at one TP (`tp`), so the planner ranks layouts of that TP only.
+    Its engines ran without chunked prefill (pdserve's CPU workers do) unless it says
+    `"chunked_prefill": true`."""
     from serve.sim.profile import ProfileError, from_dict
 
     try:
@@ -216,4 +223,5 @@ def system_of_profile(doc: dict[str, Any], where: str) -> SystemSpec:
     return SystemSpec(name=str(doc.get("system") or Path(where).stem), peak_tflops={"bf16": 1.0, "fp8": 1.0},
                       hbm_gbps=1.0, memory_gib=0.0, nvlink_gbps=1.0, network_gbps=net, efficiency=ones,
                       step_overhead_ms=step.overhead_s * 1e3, kv_memory_fraction=1.0, gpus_per_node=tp,
-                      activation_reserve_gib=0.0, sources={"profile": where}, step_profile=doc)
+                      activation_reserve_gib=0.0, sources={"profile": where}, step_profile=doc,
+                      chunked_prefill=bool(doc.get("chunked_prefill", False)))

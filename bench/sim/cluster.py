@@ -90,10 +90,14 @@ class Flow:
 
 class OfflineCluster:
     def __init__(self, loop: Loop, settings: FrontendSettings, roles: list[str], cfg: SimConfig, step_model: StepModel,
-                 bytes_per_block: int, link: Link, tp: int = 1) -> None:
+                 bytes_per_block: int, link: Link, tp: int = 1,
+                 per_role: dict[str, tuple[SimConfig, StepModel]] | None = None) -> None:
         self.loop = loop
         self.settings = settings
         self.cfg = cfg
+        # Roles whose engines differ from the rest (a disaggregated layout with prefill and
+        # decode workers of different TP): their own engine options and step model.
+        self.per_role = per_role or {}
         self.link = link
         self.bytes_per_block = bytes_per_block
         self.pool = WorkerPool(settings.served_model_name, [], settings.poll_interval_s, settings.max_poll_failures,
@@ -112,26 +116,27 @@ class OfflineCluster:
 
     # -- workers --------------------------------------------------------------------------
     def add_worker(self, url: str, role: str, step_model: StepModel) -> SimWorker:
+        cfg, step_model = self.per_role.get(role, (self.cfg, step_model))
         index = self.routing.router.index
         on_event: Callable[[Event], None] | None = None
         if self.settings.use_kv_events and self.settings.router_mode == "kv":
             def on_event(ev: Event, url: str = url) -> None:
                 index.apply(url, ev)
-        table = BlockTable(self.cfg.num_blocks, self.cfg.block_size, self.cfg.enable_prefix_caching, on_event=on_event)
+        table = BlockTable(cfg.num_blocks, cfg.block_size, cfg.enable_prefix_caching, on_event=on_event)
         w: SimWorker
 
         def on_token(req: SimRequest) -> None:
             self._token(w, req)
 
-        engine = OfflineEngine(self.cfg, step_model, table, self.loop, on_token)
+        engine = OfflineEngine(cfg, step_model, table, self.loop, on_token)
         if role == "prefill":
             engine.on_finished = lambda req: None  # the holder keeps the blocks until the READ is done
         w = SimWorker(url, role, engine, table)
         self.workers[url] = w
         info = p.WorkerInfo(worker_id=url.rsplit("/", 1)[-1], role=role, url=url, model=MODEL,  # type: ignore[arg-type]
-                            served_model_name=self.settings.served_model_name, max_model_len=self.cfg.max_model_len,
-                            block_size=self.cfg.block_size, kv_cache_dtype=self.cfg.kv_cache_dtype,
-                            num_kv_blocks=self.cfg.num_blocks, engine="sim", kv_bytes_per_block=self.bytes_per_block)
+                            served_model_name=self.settings.served_model_name, max_model_len=cfg.max_model_len,
+                            block_size=cfg.block_size, kv_cache_dtype=cfg.kv_cache_dtype,
+                            num_kv_blocks=cfg.num_blocks, engine="sim", kv_bytes_per_block=self.bytes_per_block)
         reply = self.pool.register(p.Registration(info=info, lease_seconds=float("inf")))
         if not reply.accepted:
             raise ValueError(reply.message)
@@ -172,7 +177,7 @@ class OfflineCluster:
         entry.load = p.WorkerLoad(worker_id=entry.info.worker_id if entry.info else w.url,
                                   active_requests=len(e.requests), running_requests=len(e.running),
                                   waiting_requests=len(e.waiting), kv_usage=usage,
-                                  active_blocks=round(usage * self.cfg.num_blocks))
+                                  active_blocks=round(usage * w.table.num_blocks))
 
     def poll(self) -> None:
         for w in self.workers.values():

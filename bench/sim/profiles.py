@@ -35,7 +35,12 @@ def engine_of(model: str, system: str, tp: int = 1, kv_dtype: str = "fp8") -> En
 def planner_step(e: Engine, network: str | None = None) -> ProfileStep:
     """The planner's step model of engine `e` as a profile (with `network`'s KV link, if given)."""
     overhead = e.system.step_overhead_ms / 1000.0
-    points = tuple((t, e.linear_s(t) + e.elementwise_s(t) + e.allreduce_s(t)) for t in TOKEN_POINTS)
+    # The roofline's knee (where the GEMMs stop streaming weights and start computing) is a
+    # table point too: linear interpolation across it would cut the corner.
+    lo, hi = e.linear_s(1), e.linear_s(1 << 20) / (1 << 20)  # weight streaming; compute per token
+    knee = round(lo / hi) if hi > 0 else 0
+    tokens = sorted({*TOKEN_POINTS, *((knee,) if 1 < knee < TOKEN_POINTS[-1] else ())})
+    points = tuple((t, e.linear_s(t) + e.elementwise_s(t) + e.allreduce_s(t)) for t in tokens)
     decode_per_ctx = e.decode_attention_s(1, 1)
     prefill_per_pair = e.prefill_attention_s(1, 1)  # one prompt of 1 token: 1 causal pair
     transfer = None

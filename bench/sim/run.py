@@ -51,6 +51,7 @@ class SimSpec:
     faults: list[Fault] = field(default_factory=list)
     series_interval_s: float = 5.0
     describe: dict[str, Any] = field(default_factory=dict)
+    per_role: dict[str, tuple[SimConfig, StepModel]] = field(default_factory=dict)  # roles with engines of their own
 
 
 def record_of(flow: Flow, base_ns: int) -> Record:
@@ -92,7 +93,7 @@ def simulate(cfg: ProfileConfig, spec: SimSpec, progress: bool = True) -> tuple[
     """Run the workload of `cfg` through the cluster of `spec`; the result and the stats."""
     loop = Loop()
     cluster = OfflineCluster(loop, spec.settings, spec.roles, spec.engine, spec.step_model, spec.bytes_per_block,
-                             spec.link)
+                             spec.link, per_role=spec.per_role)
     # The router breaks ties (and samples, with a temperature, and picks at random in random
     # mode) from its own stream: seeded here, the same seed gives the same simulation.
     cluster.routing.router.rng = random.Random(f"{cfg.random_seed}:router")

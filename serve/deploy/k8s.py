@@ -247,7 +247,8 @@ def render(plan_path: str | Path, out_dir: str | Path, opts: RenderOptions = Ren
     pools = best.pools()
     model = _model(plan, opts.model, cpu)
     remote_code = opts.trust_remote_code or _needs_remote_code(plan)
-    kv_dtype = "auto" if cpu else plan.kv_cache_dtype
+    # vLLM's names: the planner's bf16 is the model's own dtype (auto), fp8 is fp8.
+    kv_dtype = "auto" if cpu or plan.kv_cache_dtype == "bf16" else plan.kv_cache_dtype
     mode = best.mode
 
     out = Path(out_dir)

@@ -59,7 +59,7 @@ class Inputs(msgspec.Struct, frozen=True):
     ttft_ms: float
     tpot_ms: float
     backend: str = "vllm"
-    kv_dtype: str = "fp8"
+    kv_dtype: str = "bf16"  # the model's dtype, as vLLM's --kv-cache-dtype auto and AIConfigurator default to
     weight_dtype: str = "bf16"
     network: str = "rdma"
 
@@ -89,6 +89,8 @@ class System(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int = 8192
     gpus_per_node: int = 8
     activation_reserve_gib: float = 2.0
+    chunked_prefill: bool = True  # the engine's setting: off, a prompt goes through whole in one step
+    allreduce_latency_us: float = 10.0  # one TP all-reduce's fixed cost (launch + synchronisation)
     disagg: dict[str, float] = msgspec.field(default_factory=lambda: dict(DISAGG_NEUTRAL))
     sources: dict[str, str] = msgspec.field(default_factory=dict)
     # A measured step-time profile (pdserve.profile/1) standing for this system: its step
@@ -162,6 +164,9 @@ class Launch(msgspec.Struct, frozen=True):
     workers: list[str]
 
 
+NEAR_TIE = 0.05  # best agg and disagg tokens/s/GPU within 5%: a near tie
+
+
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
     schema: str = PLAN_SCHEMA
     inputs: Inputs
@@ -179,6 +184,11 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     searched: Searched
     launch: Launch | None = None
     load_test: str | None = None
+    # Best aggregated and disaggregated within NEAR_TIE of each other: the model cannot pick
+    # between them; measure both (the other architecture's launch and load test follow).
+    near_tie: bool = False
+    other_launch: Launch | None = None
+    other_load_test: str | None = None
 
     @property
     def kv_cache_dtype(self) -> str:

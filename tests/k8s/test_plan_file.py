@@ -40,7 +40,7 @@ def test_every_field_is_written_none_included(guide):
     assert {k: doc[k] for k in ("agg_best", "disagg_best", "winner", "launch", "load_test")} == dict.fromkeys(
         ("agg_best", "disagg_best", "winner", "launch", "load_test"))
     assert doc["inputs"] == {"model": GUIDE.model, "system": "h200_sxm", "total_gpus": 4, "isl": 4000, "osl": 500,
-                             "ttft_ms": 1.0, "tpot_ms": 16.67, "backend": "vllm", "kv_dtype": "fp8",
+                             "ttft_ms": 1.0, "tpot_ms": 16.67, "backend": "vllm", "kv_dtype": "bf16",
                              "weight_dtype": "bf16", "network": "rdma"}
     assert set(json.loads(guide.to_json())["agg_best"]) == {
         "mode", "tp", "replicas", "batch", "prefill_tp", "prefill_workers", "prefill_batch", "decode_tp",

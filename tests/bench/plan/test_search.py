@@ -49,6 +49,9 @@ def test_guide_case_aggregated_wins_with_tp1_replicas(tmp_path):
     assert (a.tp, a.replicas) == (1, 4)
     assert d is not None and doc.disagg_over_agg < 1
     assert a.ttft_ms <= 600 and a.tpot_ms <= 16.67 and d.ttft_ms <= 600 and d.tpot_ms <= 16.67
+    # The guide's published AIConfigurator figures (its call sets no KV dtype: the model's, bf16).
+    assert doc.kv_dtype == "bf16"
+    assert 0.85 <= a.tokens_per_s_per_gpu / 3785.20 <= 1.15 and 0.85 <= d.tokens_per_s_per_gpu / 3067.51 <= 1.15
     assert "--workers 4" in doc.launch.up and "--tensor-parallel-size 1" in doc.launch.up
     c = round(a.concurrency)
     assert f"--concurrency {c} " in doc.load_test and f"--num-requests {40 * c} " in doc.load_test
@@ -65,7 +68,7 @@ def test_plan_files_round_trip(tmp_path):
     assert raw == msgspec.to_builtins(doc)  # every field, None included, as plan.json has always had
     assert list(raw) == ["schema", "inputs", "model", "system", "targets", "kv_dtype", "agg_best", "disagg_best",
                          "winner", "disagg_over_agg", "agg_top", "disagg_top", "pareto", "searched", "launch",
-                         "load_test"]
+                         "load_test", "near_tie", "other_launch", "other_load_test"]
     rows = (tmp_path / "agg_best.csv").read_text().splitlines()
     assert "tokens_per_s_per_gpu" in rows[0].split(",")
     assert float(rows[1].split(",")[2]) == pytest.approx(doc.agg_best.tokens_per_s_per_gpu, rel=1e-6)

@@ -1,0 +1,140 @@
+"""The roofline's efficiencies fitted once to the reference grid's fit part, and the model's
+error at AIConfigurator's own layouts (step-model error apart from search differences).
+
+  python -m bench.plan.gridfit            # fit on the fit part, report fit and held-out errors
+
+For each grid case and mode with an AIConfigurator layout, pdserve's model predicts that same
+layout (TP, batch, workers) and is compared on what the layout's rate follows from: TTFT and
+TPOT for aggregated; TPOT and one prefill worker's requests/s for disaggregated. The fit
+minimises the mean squared log ratio over the fit part (models and systems in grid.FIT_*)
+by coordinate descent from the sourced defaults (deterministic: no random start), over the
+efficiencies of bench/plan/data/systems.json's defaults and the per-step overhead; the
+held-out model and system are reported apart, never seen by the fit. What it prints is the
+block to put in systems.json's defaults (with this command as its source).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from dataclasses import replace
+from typing import Any, Callable
+
+from bench.plan.grid import load_grid
+from bench.plan.perf import Engine, prefill_capacity, predict_agg, predict_disagg
+from bench.plan.specs import SystemSpec, load_model, load_system
+
+EFFICIENCIES = ("gemm", "hbm", "prefill_attention", "decode_attention", "nvlink")
+BOUNDS = {"step_overhead_ms": (0.05, 20.0), "allreduce_latency_us": (1.0, 200.0)}  # efficiencies: (0.05, 1]
+_DTYPES = {"bfloat16": "bf16", "float16": "bf16"}
+
+
+def _dt(x: str) -> str:
+    return _DTYPES.get(x, "fp8" if "fp8" in x else "bf16")
+
+
+def observations(row: dict[str, Any], system: SystemSpec) -> list[tuple[str, float, float]]:
+    """(what, pdserve's figure, AIConfigurator's) at AIConfigurator's layouts for one case."""
+    model = load_model(row["model"])
+    out = []
+    a = row["aic"]["agg"]
+    if a:
+        e = Engine(model, system, a["tp"], _dt(a["kv_dtype"]), _dt(a["gemm_dtype"]))
+        p = predict_agg(e, a["batch"], 1, row["isl"], row["osl"])
+        out += [("agg ttft", p.ttft_ms, a["ttft_ms"]), ("agg tpot", p.tpot_ms, a["tpot_ms"])]
+    d = row["aic"]["disagg"]
+    if d:
+        kv, gemm = _dt(d["kv_dtype"]), _dt(d["gemm_dtype"])
+        pe = Engine(model, system, d["prefill_tp"], kv, gemm)
+        de = Engine(model, system, d["decode_tp"], kv, gemm)
+        p = predict_disagg(pe, de, 1, 1, d["prefill_batch"], d["decode_batch"], row["isl"], row["osl"],
+                           row["ttft_ms"], "rdma")
+        # one prefill worker's ceiling: its prompts per step over its step, at its utilisation cap
+        cap, _ = prefill_capacity(pe, d["prefill_batch"], row["isl"], 1e9)
+        out += [("disagg tpot", p.tpot_ms, d["tpot_ms"]), ("disagg prefill rps", cap, d["prefill_rps_per_worker"])]
+    return out
+
+
+def with_params(system: SystemSpec, params: dict[str, float]) -> SystemSpec:
+    eff = {**system.efficiency, **{k: v for k, v in params.items() if k in EFFICIENCIES}}
+    return replace(system, efficiency=eff, step_overhead_ms=params.get("step_overhead_ms", system.step_overhead_ms),
+                   allreduce_latency_us=params.get("allreduce_latency_us", system.allreduce_latency_us))
+
+
+def errors(rows: list[dict[str, Any]], params: dict[str, float]) -> list[tuple[str, str, float]]:
+    """(case, what, log ratio pdserve/AIC) for every observation."""
+    systems: dict[str, SystemSpec] = {}
+    out = []
+    for row in rows:
+        s = systems.get(row["system"])
+        if s is None:
+            s = systems[row["system"]] = with_params(load_system(row["system"]), params)
+        for what, ours, ref in observations(row, s):
+            if ours > 0 and ref > 0:
+                out.append((row["name"], what, math.log(ours / ref)))
+    return out
+
+
+FITTED = ("agg tpot", "disagg tpot", "disagg prefill rps")  # step-time figures; TTFTs carry queueing models
+
+
+def _loss(rows: list[dict[str, Any]], params: dict[str, float]) -> float:
+    errs = [x for x in errors(rows, params) if x[1] in FITTED]
+    return sum(e * e for _, _, e in errs) / max(len(errs), 1)
+
+
+def fit(rows: list[dict[str, Any]], start: dict[str, float], rounds: int = 12,
+        loss: Callable[[list[dict[str, Any]], dict[str, float]], float] = _loss) -> dict[str, float]:
+    """Coordinate descent in log space, steps halving when no move helps; efficiencies stay in
+    (0.05, 1], the overhead and all-reduce latency in BOUNDS."""
+    best, cur = dict(start), loss(rows, start)
+    step = 0.5
+    for _ in range(rounds):
+        moved = False
+        for k in start:
+            for f in (math.exp(step), math.exp(-step)):
+                cand = dict(best)
+                lo, hi = BOUNDS.get(k, (0.05, 1.0))
+                cand[k] = min(hi, max(lo, best[k] * f))
+                c = loss(rows, cand)
+                if c < cur - 1e-12:
+                    best, cur, moved = cand, c, True
+        if not moved:
+            step /= 2
+    return best
+
+
+def _report(label: str, errs: list[tuple[str, str, float]]) -> str:
+    lines = []
+    for what in sorted({w for _, w, _ in errs}):
+        signed = [math.exp(e) - 1 for _, w, e in errs if w == what]
+        xs = [abs(x) for x in signed]
+        lines.append(f"  {label} {what}: n={len(xs)} pdserve/AIC - 1: median {statistics.median(signed):+.2f}, "
+                     f"|err| median {statistics.median(xs):.2f} max {max(xs):.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.plan.gridfit", description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", default=None, help="a grid file (default: the one shipped in bench.plan.data)")
+    args = p.parse_args(argv)
+    grid = load_grid(args.grid)
+    fit_rows = [r for r in grid["cases"] if r["part"] == "fit"]  # not the guide case: it is checked, not fitted
+    held = [r for r in grid["cases"] if r["part"] == "held-out"]
+    base = load_system("h200_sxm")
+    start = {**{k: base.efficiency[k] for k in EFFICIENCIES}, "step_overhead_ms": base.step_overhead_ms,
+             "allreduce_latency_us": base.allreduce_latency_us}
+    print("before (sourced defaults):")
+    print(_report("fit", errors(fit_rows, start)))
+    print(_report("held-out", errors(held, start)))
+    got = fit(fit_rows, start)
+    print("fitted: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
+    print(_report("fit", errors(fit_rows, got)))
+    print(_report("held-out", errors(held, got)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
