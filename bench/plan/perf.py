@@ -230,6 +230,20 @@ def predict_agg_waves(e: Engine, batch: int, replicas: int, isl: int, osl: int) 
     return _finish(ttft, tpot, replicas * batch / latency, osl, replicas * e.tp)
 
 
+def predict_disagg_waves(pe: Engine, de: Engine, batch: int, isl: int, osl: int, network: str) -> Prediction:
+    """One prefill and one decode worker under a closed loop of `batch` fixed-length requests
+    (as `predict_agg_waves`): the prompts are prefilled together in ceil(batch * ISL / budget)
+    steps, the prefill worker's first token is the first token (pdserve's default path), then
+    the decode worker READs the KV and the batch decodes together."""
+    budget = pe.system.max_num_batched_tokens
+    total = batch * isl
+    chunks = math.ceil(total / budget)
+    ttft = chunks * pe.step_s(0, 0, total / chunks, isl) * pe.system.disagg["prefill_latency"]
+    tpot = de.step_s(batch, isl + osl / 2) * de.system.disagg["decode_latency"]
+    latency = ttft + pe.kv_transfer_s(isl, network) + (osl - 1) * tpot
+    return _finish(ttft, tpot, batch / latency, osl, pe.tp + de.tp)
+
+
 def prefill_capacity(e: Engine, prompts: int, isl: int, ttft_budget_s: float) -> tuple[float, float]:
     """(requests/s one prefill worker sustains within the TTFT budget, its TTFT there).
     `ttft_budget_s` is what is left for queueing + prefill after transfer and decode."""

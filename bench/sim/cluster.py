@@ -56,6 +56,7 @@ class SimWorker:
     engine: OfflineEngine
     table: BlockTable
     alive: bool = True
+    draining: bool = False  # leaving: out of rotation, finishing what it has (bench/sim/scaling.py)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class OfflineCluster:
         self.finished = 0
         self.recomputes = 0  # decode workers that computed a prompt whose KV could not be read
         self.tp = tp
+        self.on_submit: Callable[[Flow], None] | None = None  # sees every arrival (an autoscaler's observer)
         for i, role in enumerate(roles):
             self.add_worker(f"http://sim-{role}-{i}:8100", role, step_model)
 
@@ -177,7 +179,7 @@ class OfflineCluster:
         entry.load = p.WorkerLoad(worker_id=entry.info.worker_id if entry.info else w.url,
                                   active_requests=len(e.requests), running_requests=len(e.running),
                                   waiting_requests=len(e.waiting), kv_usage=usage,
-                                  active_blocks=round(usage * w.table.num_blocks))
+                                  active_blocks=round(usage * w.table.num_blocks), draining=w.draining)
 
     def poll(self) -> None:
         for w in self.workers.values():
@@ -185,6 +187,8 @@ class OfflineCluster:
 
     # -- requests -------------------------------------------------------------------------
     def submit(self, flow: Flow) -> None:
+        if self.on_submit is not None:
+            self.on_submit(flow)
         s = self.settings
         if self.active < s.max_active_requests and not self.queue:
             self._start(flow)

@@ -19,7 +19,7 @@ import time
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench.loadgen.config import ProfileConfig
 from bench.loadgen.export import write_artifacts
@@ -52,6 +52,9 @@ class SimSpec:
     series_interval_s: float = 5.0
     describe: dict[str, Any] = field(default_factory=dict)
     per_role: dict[str, tuple[SimConfig, StepModel]] = field(default_factory=dict)  # roles with engines of their own
+    # Called once before the run with (loop, cluster, finished flows, total requests): an
+    # autoscaler schedules its intervals here (bench/sim/scaling.py).
+    hook: Callable[[Loop, OfflineCluster, list[Flow], int], None] | None = None
 
 
 def record_of(flow: Flow, base_ns: int) -> Record:
@@ -119,7 +122,7 @@ def simulate(cfg: ProfileConfig, spec: SimSpec, progress: bool = True) -> tuple[
             loop.after(spec.series_interval_s, sample)
 
     def kill(fault: Fault) -> None:
-        alive = [w for w in cluster.workers.values() if w.role == fault.role and w.alive]
+        alive = [w for w in cluster.workers.values() if w.role == fault.role and w.alive and not w.draining]
         for w in alive[:fault.count]:
             cluster.kill(w.url)
 
@@ -127,6 +130,8 @@ def simulate(cfg: ProfileConfig, spec: SimSpec, progress: bool = True) -> tuple[
     loop.at(0.0, sample)
     for f in spec.faults:
         loop.at(f.at_s, kill, f)
+    if spec.hook is not None:
+        spec.hook(loop, cluster, flows, total)
     wall0, t0 = time.time_ns(), time.monotonic()
     driver.start()
     # Millions of small live objects (blocks, index entries, token times): the cyclic

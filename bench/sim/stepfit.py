@@ -99,6 +99,11 @@ def fit(steps: Sequence[Step]) -> tuple[ProfileStep, dict[str, Any]]:
         if last < top:
             knots.append(last)
     knots.append(next((k for k in KNOTS if k >= top), last))
+    # A knot needs steps near it (within a factor of 2): between two supported knots the
+    # curve is a straight line, not free values no step constrains (a profile calibrated on
+    # few decodes and long prompts would otherwise price 16 decodes as 4).
+    counts = sorted(_tokens(d, p) for _, d, p in steps)
+    knots = [k for k in knots[:-1] if _near(counts, k)] + knots[-1:]
     nk = len(knots)
     # Columns: overhead, increments of tokens() at each knot (cumulative: monotone), decode rate, prefill rate.
     cum = np.tril(np.ones((nk, nk)))  # y = cum @ delta
@@ -124,6 +129,13 @@ def fit(steps: Sequence[Step]) -> tuple[ProfileStep, dict[str, Any]]:
               "relative_error": {k: {"steps": len(v), "p50": _q(v, 0.5), "p90": _q(v, 0.9)}
                                  for k, v in errors.items() if v}}
     return step, report
+
+
+def _near(sorted_counts: list[int], k: int) -> bool:
+    import bisect
+
+    i = bisect.bisect_left(sorted_counts, k / 2)
+    return i < len(sorted_counts) and sorted_counts[i] <= 2 * k
 
 
 def _q(v: list[float], q: float) -> float:
