@@ -171,6 +171,33 @@ class WorkersReply(msgspec.Struct, frozen=True):
     workers: list[WorkerRow]
 
 
+class RequestSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One finished request as the frontend saw it (`GET /internal/requests`): its sequence
+    number, arrival (wall clock, s), prompt and output tokens, TTFT and whole duration (s,
+    from arrival; TTFT None when no token came) and whether it succeeded."""
+
+    seq: int
+    arrival: float
+    isl: int
+    osl: int
+    ttft_s: float | None
+    duration_s: float
+    ok: bool
+
+
+class RequestsReply(msgspec.Struct, frozen=True, kw_only=True):
+    """`GET /internal/requests?since=N`: the samples after N (oldest first), the next `since`,
+    how many older ones the frontend no longer keeps, its arrivals counter (every request it
+    admitted, finished or not) and what is queued or in flight now."""
+
+    samples: list[RequestSample]
+    next: int
+    dropped: int = 0
+    arrivals: int = 0
+    in_flight: int = 0
+    queued: int = 0
+
+
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):
     """One engine step (`serve.step_hook`): its number in this worker, wall-clock start,
     seconds, each decode's context and each prefill chunk as [computed, new] tokens."""

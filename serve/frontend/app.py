@@ -29,6 +29,7 @@ from serve.frontend.generate import Generation
 from serve.frontend.internal import InternalApi
 from serve.frontend.kv_events import KVEventSubscriber
 from serve.frontend.metrics import FrontendMetrics
+from serve.frontend.requestlog import RequestLog
 from serve.frontend.openai_api import OpenAIApi
 from serve.frontend.pool import WorkerPool
 from serve.frontend.routing import Routing
@@ -43,6 +44,7 @@ class Frontend:
         self.settings = settings
         self.clock = clock
         self.metrics = FrontendMetrics()
+        self.requests = RequestLog()  # finished requests, exactly (GET /internal/requests)
         self.tokenizer: Tokenizer | None = None
         self.client: httpx.AsyncClient | None = None
         self.pool: WorkerPool | None = None
@@ -138,6 +140,7 @@ def build_app(settings: FrontendSettings, frontend: Frontend | None = None,
     app.add_api_route("/internal/workers", internal.list_workers, methods=["GET"])
     app.add_api_route("/live", internal.live, methods=["GET"])
     app.add_api_route("/internal/drain", internal.drain, methods=["POST"])
+    app.add_api_route("/internal/requests", internal.requests, methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:

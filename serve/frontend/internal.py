@@ -5,6 +5,7 @@ dry run.
     GET /live   GET /metrics   POST /v1/route/explain
     POST /internal/register (Registration)   POST /internal/deregister (DeregisterRequest)
     GET /internal/workers (WorkersReply)     POST /internal/drain?timeout=S&settle=S (DrainReply)
+    GET /internal/requests?since=N (RequestsReply: finished requests, exactly, for an autoscaler)
 
 Bodies are the typed structs of `serve.protocol`.
 """
@@ -64,6 +65,21 @@ class InternalApi:
         idle, waited = await wait_idle(lambda: fe.active, timeout, settle)
         log.info("drain: %s after %.1fs", "idle" if idle else f"{fe.active} request(s) still in flight", waited)
         return reply(p.DrainReply(drained=idle, active_requests=fe.active, waited_s=round(waited, 3)))
+
+    async def requests(self, request: Request) -> Response:
+        """`GET /internal/requests?since=N&limit=M`: finished requests after sample N (exact, for
+        an autoscaler), with the arrivals counter and what is in flight and queued now."""
+        try:
+            since = int(request.query_params.get("since", "0"))
+            limit = int(request.query_params.get("limit", "20000"))
+            if since < 0 or limit < 1:
+                raise ValueError
+        except ValueError:
+            return error_response(bad_request("since must be an integer >= 0 and limit >= 1"))
+        fe = self.fe
+        samples, nxt, dropped = fe.requests.since(since, limit)
+        return reply(p.RequestsReply(samples=samples, next=nxt, dropped=dropped, arrivals=fe.requests.arrivals,
+                                     in_flight=fe.active, queued=fe.admission.queued if fe.admission else 0))
 
     async def metrics(self) -> Response:
         fe = self.fe

@@ -120,9 +120,11 @@ class OpenAIApi:
         received = time.monotonic()  # headers in: TTFT and duration count from here, in every path
         fe = self.fe
         endpoint = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+        fe.requests.arrived()  # demand, refused or not
         try:  # before the body is read: a flood is refused at the door
             ticket = fe.admission.enter()
         except Overloaded as exc:
+            fe.requests.record(received, 0, 0, None, False)
             fe.metrics.rejected.labels("overloaded").inc()
             self._count(endpoint, False, 429)
             await discard_small_body(request)
@@ -179,11 +181,12 @@ class OpenAIApi:
         show_timing = request.headers.get(TIMING_HEADER, "").strip() == "1"
         if stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            body_iter = self._sse(kind, request_id, events, include_usage, endpoint, received,
-                                  timing if show_timing else None)
+            body_iter = self._sse(kind, request_id, events, include_usage, endpoint, received, timing, show_timing,
+                                  len(prompt_ids))
             return DisconnectAwareStreamingResponse(body_iter, media_type="text/event-stream",
                                                     headers={**SSE_HEADERS, **headers}, on_close=ticket.release)
-        result = await cancel_on_disconnect(request, self._collect(kind, request_id, events, endpoint, received))
+        result = await cancel_on_disconnect(request, self._collect(kind, request_id, events, endpoint, received,
+                                                                   timing, len(prompt_ids)))
         if result is None:  # the client went away; the generation was cancelled and aborted
             self._count(endpoint, False, 499)
             return Response(status_code=499)
@@ -207,16 +210,19 @@ class OpenAIApi:
         self.fe.metrics.requests.labels(endpoint, self.fe.settings.served_model_name,
                                         "stream" if stream else "unary", str(status)).inc()
 
-    def _observe(self, t0: float, last: TextEvent | None) -> None:
+    def _observe(self, t0: float, last: TextEvent | None, timing: RequestTiming, n_prompt: int, ok: bool) -> None:
         m = self.fe.metrics
         m.duration.observe(time.monotonic() - t0)
-        if last is not None and last.finish_reason is not None:
+        done = last is not None and last.finish_reason is not None
+        if last is not None and done:
             m.isl.observe(last.prompt_tokens)
             m.osl.observe(last.completion_tokens)
             m.cached.inc(last.cached_tokens)
+        self.fe.requests.record(t0, n_prompt, last.completion_tokens if last is not None else 0, timing.ttft,
+                                ok and done)
 
     async def _collect(self, kind: str, request_id: str, events: AsyncIterator[TextEvent],
-                       endpoint: str, t0: float) -> Any:
+                       endpoint: str, t0: float, timing: RequestTiming, n_prompt: int) -> Any:
         fe = self.fe
         fe.metrics.inflight.inc()
         fe.active += 1
@@ -230,12 +236,13 @@ class OpenAIApi:
             err = self._failure(exc)
             self._count(endpoint, False, err.status)
             log.warning("request %s failed: %s", request_id, err.message)
+            fe.requests.record(t0, n_prompt, 0, timing.ttft, False)
             return err
         finally:
             fe.metrics.inflight.dec()
             fe.active -= 1
             await events.aclose()
-        self._observe(t0, last)
+        self._observe(t0, last, timing, n_prompt, True)
         self._count(endpoint, False, 200)
         if last is None:
             return APIError(502, "worker failed: the generation ended without a result", "server_error", None,
@@ -245,12 +252,14 @@ class OpenAIApi:
                             usage)
 
     async def _sse(self, kind: str, request_id: str, events: AsyncIterator[TextEvent], include_usage: bool,
-                   endpoint: str, t0: float, timing: RequestTiming | None = None) -> AsyncIterator[bytes]:
+                   endpoint: str, t0: float, clock: RequestTiming, show_timing: bool,
+                   n_prompt: int) -> AsyncIterator[bytes]:
         """The SSE body. As vLLM's server does, nothing is sent before the first token: a
         chat's role chunk goes out with it, so a client's TTFT is the first chunk's arrival.
         With `timing` (the client sent X-PDSERVE-Timing: 1), the last chunk before [DONE]
         carries the stage breakdown as `pdserve_timing`."""
         fe = self.fe
+        timing = clock if show_timing else None
         out = r.ChunkWriter(kind, request_id, fe.settings.served_model_name, include_usage)
         fe.metrics.inflight.inc()
         fe.active += 1
@@ -282,5 +291,5 @@ class OpenAIApi:
             fe.active -= 1
             with contextlib.suppress(Exception):
                 await events.aclose()
-            self._observe(t0, last)
+            self._observe(t0, last, clock, n_prompt, status == 200)
             self._count(endpoint, True, status)

@@ -6,6 +6,8 @@ text and the CPU seed crash, is in test_frontend_e2e.py.)"""
 from __future__ import annotations
 
 
+import time
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -267,3 +269,22 @@ def test_no_worker_is_503_with_retry_after(model_dir):
             assert err["code"] == "no_worker_available"
             assert int(r.headers["retry-after"]) > 0
         assert_envelope(post(url, "/v1/route/explain", {"model": MODEL, "messages": FRANCE}), 503)
+
+
+def test_internal_requests_lists_each_finished_request_exactly_once(sim_agg):
+    url = sim_agg.url
+    start = httpx.get(f"{url}/internal/requests", params={"since": 10**9}).json()  # a restarted reader: all
+    seen = start["next"]
+    req = {"model": MODEL, "messages": FRANCE, "temperature": 0, "max_tokens": 6, "ignore_eos": True}
+    assert post(url, "/v1/chat/completions", req).status_code == 200
+    stream(url, "/v1/chat/completions", req)
+    got = httpx.get(f"{url}/internal/requests", params={"since": seen}).json()
+    samples = got["samples"]
+    assert [s[0] for s in samples] == [seen + 1, seen + 2] and got["next"] == seen + 2  # [seq, arrival, ...]
+    for seq, arrival, isl, osl, ttft, duration, ok in samples:
+        assert ok and isl > 0 and osl == 6 and 0 < ttft <= duration and abs(arrival - time.time()) < 60
+    assert got["arrivals"] >= start["arrivals"] + 2 and got["in_flight"] == 0 and got["dropped"] == 0
+    again = httpx.get(f"{url}/internal/requests", params={"since": got["next"]}).json()
+    assert again["samples"] == [] and again["next"] == got["next"]
+    bad = httpx.get(f"{url}/internal/requests", params={"since": "-1"})
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"

@@ -1,0 +1,115 @@
+"""The SLA autoscaler's pure parts: its queueing model, its trend, and its decisions
+(bounded steps, hysteresis, the 10-minute reversal guard, the worker cap, explanations)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from serve.autoscale.decide import Bounds, Controller, Policy, Targets
+from serve.autoscale.model import (INF, Engine, Load, erlang_c, predict_agg, predict_disagg, quantile, queue_wait,
+                                   z_of)
+from serve.autoscale.observe import Observation, Pool, Trend
+from serve.sim.timing import LinearStep
+
+STEP = LinearStep(base_s=0.01, prefill_token_s=5e-5, decode_seq_s=2e-4, context_token_s=1e-7)
+ENGINE = Engine(STEP, max_num_seqs=64)
+LOAD = Load(10.0, [2000] * 50, [200] * 50)
+
+
+def test_queueing_pieces():
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)  # M/M/1: P(wait) = utilisation
+    assert erlang_c(4, 4.0) == 1.0 and erlang_c(8, 1.0) < 1e-3
+    assert queue_wait(1, 0.0, [0.1], 90) == 0.0
+    assert queue_wait(2, 25.0, [0.1], 90) == INF  # offered 2.5 > 2 servers
+    assert 0 < queue_wait(1, 8.0, [0.1], 90) < queue_wait(1, 9.0, [0.1], 90)
+    assert quantile([1, 2, 3, 4], 50) == 2.5 and quantile([5], 90) == 5
+    assert z_of(90) == pytest.approx(1.2816, abs=1e-3) and z_of(50) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_more_prefill_workers_cut_ttft_and_more_decode_workers_cut_itl():
+    one = predict_disagg(ENGINE, ENGINE, 1, 1, LOAD, 90)
+    assert one.ttft_s == INF  # 10 req/s x 0.11 s a prompt: one prefill worker is past saturation
+    p = [predict_disagg(ENGINE, ENGINE, n, 8, LOAD, 90).ttft_s for n in (2, 3, 4, 8)]
+    assert p == sorted(p, reverse=True) and p[-1] < INF
+    d = [predict_disagg(ENGINE, ENGINE, 8, n, LOAD, 90).itl_s for n in (2, 4, 8)]
+    assert d == sorted(d, reverse=True)
+    assert predict_disagg(ENGINE, ENGINE, 8, 1, LOAD, 90).itl_s == INF  # 10 req/s x ~200 steps > 64 slots
+    a = [predict_agg(ENGINE, n, LOAD, 90) for n in (2, 4, 8)]
+    assert [x.ttft_s for x in a] == sorted((x.ttft_s for x in a), reverse=True)
+    assert all(x.itl_s < INF for x in a[1:])
+
+
+def test_trend_follows_a_ramp_within_bounds():
+    t = Trend()
+    for k, rate in enumerate((10, 12, 14, 16)):
+        t.update(Observation(30.0 * (k + 1), 30.0, int(rate * 30), [1000], [100]))
+    assert 14 < t.rate_at(0) <= 16 and t.rate_at(60) > t.rate_at(0)
+    assert t.rate_at(10_000) == pytest.approx(1.25 * t.level)  # capped: a step does not run away
+    assert t.load(0, floor=20.0).rate == 20.0 and t.load(0).isl == [1000] * 3  # the last three intervals
+
+
+def _obs(t: float, rate: float, pools: dict[str, int], **kw) -> Observation:
+    return Observation(t, 30.0, int(rate * 30), [2000] * 40, [200] * 40,
+                       pools={p: Pool(ready=n) for p, n in pools.items()}, **kw)
+
+
+def _controller(**kw) -> Controller:
+    pol = Policy("disagg", Targets(1.0, 0.05), Bounds(max_prefill=32, max_decode=32, max_workers=48), **kw)
+    return Controller(pol, {"prefill": ENGINE, "decode": ENGINE})
+
+
+def test_scales_up_at_once_in_bounded_steps_and_says_why():
+    c = _controller()
+    d = c.step(_obs(30, 10.0, {"prefill": 1, "decode": 1}))
+    assert d.changed and d.desired["prefill"] > 1 and d.desired["prefill"] <= 3  # at most +200% (max_step_up 2)
+    assert "needed for" in d.reason and d.load["rate"] >= 10.0
+    assert any(x["layout"] == d.desired for x in d.candidates)
+    assert {"ttft_s", "itl_s", "meets", "workers"} <= set(d.candidates[0]) and d.observation["arrivals"] == 300
+
+
+def test_scale_down_waits_for_the_sustain_period_and_never_reverses_within_ten_minutes():
+    c = _controller(cooldown_s=0.0, down_sustain_s=120.0, reverse_guard_s=0.0)  # the guard stays 600 s anyway
+    up = c.step(_obs(30, 20.0, {"prefill": 2, "decode": 2}))
+    assert up.desired["prefill"] > 2
+    big = dict(up.desired)
+    t, downs = 30.0, []
+    while t < 900:
+        t += 30
+        d = c.step(_obs(t, 1.0, big))  # the load is gone
+        if d.changed:
+            downs.append(d)
+            assert all(d.desired[p] <= d.current[p] for p in d.desired)
+            big = dict(d.desired)
+    assert downs and downs[0].t - 30 >= 600  # not before the reversal guard, whatever cooldown_s says
+    first = downs[0]
+    for p in first.desired:  # bounded: at most a quarter (at least one) per step
+        assert first.current[p] - first.desired[p] <= max(1, math.floor(first.current[p] * 0.25))
+    assert "margin" in first.reason
+
+
+def test_a_brief_dip_does_not_scale_down():
+    c = _controller(cooldown_s=0.0, down_sustain_s=300.0, reverse_guard_s=0.0)
+    pools = {"prefill": 6, "decode": 6}
+    for k in range(1, 41):
+        rate = 1.0 if k % 8 == 0 else 8.0  # one quiet interval in eight
+        d = c.step(_obs(30.0 * k, rate, pools))
+        assert all(d.desired[p] >= d.current[p] for p in d.desired) or "margin" in d.reason
+        pools = dict(d.desired)
+    assert pools["prefill"] >= 2
+
+
+def test_the_worker_cap_trims_additions():
+    c = Controller(Policy("disagg", Targets(1.0, 0.05), Bounds(max_prefill=32, max_decode=32, max_workers=5)),
+                   {"prefill": ENGINE, "decode": ENGINE})
+    d = c.step(_obs(30, 20.0, {"prefill": 2, "decode": 2}))
+    assert sum(d.desired.values()) <= 5 and "max-workers" in d.reason
+
+
+def test_aggregated_pool_scales_on_both_targets():
+    pol = Policy("agg", Targets(1.0, 0.05), Bounds(min_agg=1, max_agg=16, max_workers=16))
+    c = Controller(pol, {"agg": ENGINE})
+    d = c.step(_obs(30, 10.0, {"agg": 1}))
+    assert set(d.desired) == {"agg"} and d.desired["agg"] > 1
+    assert c.predict({"agg": 16}, LOAD).meets(1.0, 0.05)
