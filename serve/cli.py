@@ -17,6 +17,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 
 from serve import drain_client, flags, model_command
+from serve.autoscale import cli as autoscale_cli
 from serve.deploy.launcher import UpSettings
 from serve.errors import PdserveError
 from serve.frontend.settings import FrontendSettings
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.set_defaults(run=_up)
     for add_command in plugin_commands():
         add_command(sub)
+    a = sub.add_parser("autoscale", help="size the prefill and decode (or agg) pools to TTFT and ITL targets",
+                       description="The SLA autoscaler: observes frontends and workers each interval, predicts TTFT "
+                                   "and ITL for candidate pool sizes from the workers' step profile, decides with "
+                                   "hysteresis, and explains (GET /autoscaler, /metrics).")
+    autoscale_cli.add_arguments(a)
+    a.set_defaults(run=autoscale_cli.run)
     d = sub.add_parser("drain", help="take a frontend or worker out of rotation and wait for its requests "
                                      "(a Kubernetes preStop hook)")
     drain_client.add_arguments(d)
