@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -73,7 +72,6 @@ def run(args: argparse.Namespace) -> int:
     from serve.autoscale.live import LiveObserver
     from serve.autoscale.service import Autoscaler, build_app
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         if not args.dry_run:
             raise AutoscaleError("only --dry-run is available: this version recommends (log, GET /autoscaler, "

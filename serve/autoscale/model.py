@@ -108,6 +108,8 @@ def erlang_c(c: int, a: float) -> float:
     """Probability that an arrival waits in M/M/c with offered load a = rate x service."""
     if a >= c:
         return 1.0
+    if c > a + 12 * math.sqrt(a) + 30:  # far more servers than work: no arrival waits (< 1e-20)
+        return 0.0
     term, total = 1.0, 1.0
     for k in range(1, c):
         term *= a / k

@@ -5,11 +5,9 @@ cluster simulator, ranked by simulated goodput per GPU, labelled simulated)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from bench.plan.report import PlanInputs, plan, summary_text, write
-from tests.conftest import ROOT
+from serve.cli import main
 
 NEAR = PlanInputs("meta-llama/Llama-3.1-8B-Instruct", "h100_sxm", 16, 1000, 1000, 300, 10)
 
@@ -28,12 +26,14 @@ def test_a_near_tie_says_so_and_gives_both_architectures_commands(tmp_path):
     assert not far.near_tie and far.other_launch is None and "near tie" not in summary_text(far)
 
 
-def test_plan_simulate_ranks_layouts_by_simulated_goodput(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "serve.cli", "plan", "--model", "nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1",
-                           "--system", "h200_sxm", "--total-gpus", "4", "--isl", "4000", "--osl", "500", "--ttft", "600",
-                           "--tpot", "16.67", "--save-dir", str(tmp_path), "--simulate", "--simulate-top", "2",
-                           "--sim-requests", "120"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+GUIDE_ARGS = ["plan", "--model", "nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1", "--system", "h200_sxm", "--total-gpus", "4",
+              "--isl", "4000", "--osl", "500", "--ttft", "600", "--tpot", "16.67"]
+
+
+def test_plan_simulate_ranks_layouts_by_simulated_goodput(tmp_path, capsys):
+    assert main([*GUIDE_ARGS, "--save-dir", str(tmp_path), "--simulate", "--simulate-top", "2",
+                 "--sim-requests", "120"]) == 0
+    out = capsys.readouterr().out
     doc = json.loads((tmp_path / "simulated.json").read_text())
     assert doc["simulated"] is True and len(doc["layouts"]) == 4
     assert {r["mode"] for r in doc["layouts"]} == {"agg", "disagg"}
@@ -41,12 +41,9 @@ def test_plan_simulate_ranks_layouts_by_simulated_goodput(tmp_path):
     assert goodput == sorted(goodput, reverse=True) and goodput[0] > 0
     for r in doc["layouts"]:
         assert r["sim"]["simulated"] is True and r["sim"]["requests"] == 120 and r["closed_form"]["tokens_per_s_per_gpu"] > 0
-    assert "SIMULATED goodput" in proc.stdout and "SIMULATED winner" in proc.stdout
+    assert "SIMULATED goodput" in out and "SIMULATED winner" in out
 
 
-def test_plan_simulate_refuses_bad_options_in_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "serve.cli", "plan", "--model", "nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1",
-                           "--system", "h200_sxm", "--total-gpus", "4", "--isl", "4000", "--osl", "500", "--ttft", "600",
-                           "--tpot", "16.67", "--save-dir", str(tmp_path), "--simulate", "--trace", str(tmp_path / "no")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("pdserve plan: error: --trace")
+def test_plan_simulate_refuses_bad_options_in_one_line(tmp_path, capsys):
+    assert main([*GUIDE_ARGS, "--save-dir", str(tmp_path), "--simulate", "--trace", str(tmp_path / "no")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("pdserve plan: error: --trace")

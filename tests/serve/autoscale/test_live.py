@@ -5,8 +5,6 @@ exports the desired replicas; without --dry-run it refuses in one line."""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -16,7 +14,7 @@ from serve.autoscale.live import LiveObserver, client
 from serve.autoscale.model import Engine
 from serve.autoscale.service import Autoscaler
 from serve.sim.timing import LinearStep
-from tests.conftest import MODEL, ROOT
+from tests.conftest import MODEL
 
 
 def _send(url: str, n: int) -> None:
@@ -53,11 +51,13 @@ def test_the_live_autoscaler_observes_decides_and_explains(sim_agg):
     assert desired and desired[0].value == second.desired["agg"]
 
 
-def test_autoscale_without_dry_run_or_with_bad_flags_is_one_line(tmp_path):
-    base = [sys.executable, "-m", "serve.cli", "autoscale", "--frontend", "http://127.0.0.1:9", "--ttft", "500",
-            "--itl", "50", "--profile", str(tmp_path / "none.json")]
+def test_autoscale_without_dry_run_or_with_bad_flags_is_one_line(tmp_path, capsys):
+    from serve.cli import main
+
+    base = ["autoscale", "--frontend", "http://127.0.0.1:9", "--ttft", "500", "--itl", "50",
+            "--profile", str(tmp_path / "none.json")]
     for extra, words in (([], "only --dry-run"), (["--dry-run"], "--profile"),
                          (["--dry-run", "--min-decode", "5", "--max-decode", "2"], "--min-decode")):
-        proc = subprocess.run(base + extra, cwd=ROOT, capture_output=True, text=True, timeout=60)
-        lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 2 and len(lines) == 1 and words in lines[0], proc.stderr
+        assert main(base + extra) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("pdserve autoscale: error:") and words in lines[0], lines
