@@ -238,17 +238,21 @@ class SimEngine:
                     continue
             batch.append((req, n))
             budget -= n
+        blocked = False  # a request found no room: later ones that need room wait too (first come, first served)
         for req in list(self.waiting):
             if len(self.running) >= self.cfg.max_num_seqs or budget <= 0:
                 break
-            if req.loading:
+            if req.loading or (blocked and not req.allocated):
                 continue
             if not req.allocated:
                 context = req.context
                 try:
                     cached = self.table.allocate(req.request_id, context)
                 except NoSpace:
-                    break  # first come, first served: later ones wait too
+                    # Those whose KV already arrived hold their blocks: they still run (else
+                    # they and the head of the queue would wait for each other forever).
+                    blocked = True
+                    continue
                 if not req.output:
                     req.cached = cached
                 req.allocated = True

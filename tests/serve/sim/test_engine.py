@@ -181,6 +181,20 @@ def test_a_remote_load_skips_the_prompt_but_its_last_token():
     assert deltas[0].num_cached_tokens == 39 and e.counters.steps == 2
 
 
+def test_a_request_whose_kv_arrived_runs_though_the_head_of_the_queue_finds_no_room():
+    """The head of the waiting queue needs blocks that the requests whose KV already arrived
+    hold; those must still run (or both wait for each other forever: a decode worker full of
+    loaded requests, as a scenario with long documents found)."""
+    vt = VirtualTime()
+    e = engine(vt, num_blocks=12)  # 48 tokens of KV
+    head = e.add("head", list(range(40)), greedy(2))  # 10 blocks: will not fit beside the loaded one
+    loaded = e.add("loaded", list(range(100, 120)), greedy(2), loading=True)
+    e.load_done(loaded, ok=True)  # its 20 tokens' blocks are allocated now (5 blocks)
+    batch = e.schedule()
+    assert [r.request_id for r, _ in batch] == ["loaded"]
+    assert head in e.waiting and not head.allocated
+
+
 def test_a_failed_remote_load_computes_the_prompt_locally():
     async def go():
         vt = VirtualTime()
