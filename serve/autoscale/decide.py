@@ -67,7 +67,7 @@ class Policy:
     cooldown_s: float = 60.0
     startup_s: float = 60.0
     down_margin: float = 0.8
-    down_sustain_s: float = 300.0
+    down_sustain_s: float = 120.0
     reverse_guard_s: float = MIN_REVERSE_GUARD_S
     max_step_up: float = 2.0
     max_step_down: float = 0.25
