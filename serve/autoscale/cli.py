@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="info")
 
 
-def controller_from_args(args: argparse.Namespace):  # -> Controller
+def controller_from_args(args: argparse.Namespace):  # -> (Controller, the profile's StepModel)
     import json
     from pathlib import Path
 
