@@ -51,7 +51,8 @@ LONG_UNITS = (ENGINE_UNIT, TORCH_UNIT, "tests/bench/loadgen/test_profile_fake.py
               "tests/bench/perf/test_first_token.py", "tests/serve/sim/test_cluster.py",
               "tests/serve/sim/test_first_token.py",
               "tests/serve/frontend/test_openai_api.py", "tests/serve/frontend/test_latency_sim.py",
-              "tests/serve/frontend/test_routing_sim.py", "tests/serve/frontend/test_fuzz_openai.py")
+              "tests/serve/frontend/test_routing_sim.py", "tests/serve/frontend/test_fuzz_openai.py",
+              "tests/bench/sim/test_scaling.py", "tests/bench/plan/test_grid.py")
 
 
 # Engine modules run first in the engine unit, before the session's shared engines (the

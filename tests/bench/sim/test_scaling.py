@@ -13,7 +13,7 @@ def _scenario(name: str, rates: tuple[tuple[float, float], ...], duration: float
 
 
 def test_a_step_up_then_down_is_followed_without_a_failed_request(tmp_path):
-    s = _scenario("up-down", ((120, 1.0), (420, 7.0), (1400, 0.5)), 1400)
+    s = _scenario("up-down", ((120, 1.0), (360, 6.0), (1300, 0.5)), 1300)
     tr = tmp_path / "trace.jsonl"
     n = S.trace(s, tr)
     start = S._layout_at(s, 0.0)
@@ -28,7 +28,7 @@ def test_a_step_up_then_down_is_followed_without_a_failed_request(tmp_path):
     downs = [d for d in a["decisions"] if sum(d["desired"].values()) < sum(d["current"].values())]
     assert ups and downs and min(d["t"] for d in downs) - max(d["t"] for d in ups) >= 600
     assert a["reversals_within_10min"] == 0
-    assert 0 < r["worker_hours"] < peak * 1400 / 3600
+    assert 0 < r["worker_hours"] < peak * 1300 / 3600
     assert all(d["reason"] for d in a["decisions"])
 
 
