@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Where torch's CPU build comes from elsewhere (the CPU image passes PyTorch's CPU index).
 TORCH_INDEX ?=
 
-.PHONY: install run test test-fast model clean-venv aiperf bench-loadgen aiconfigurator plan-grid
+.PHONY: install run test test-fast model clean-venv aiperf bench-loadgen aiconfigurator plan-grid py-spy dynamo
 
 install: $(STAMP)
 
@@ -74,3 +74,25 @@ $(AIC_VENV)/bin/aiconfigurator:
 
 plan-grid: install
 	$(PY) -m bench.plan.grid compare
+
+# py-spy (a sampling profiler, one static binary) into the project's venv, for
+# `pdserve bench frontend-overhead --profile-concurrency C`.
+py-spy: $(VENV)/bin/py-spy
+
+$(VENV)/bin/py-spy: $(STAMP)
+	$(PIP) install -q 'py-spy==0.4.0'
+
+# NVIDIA Dynamo's frontend and mocker in their own virtualenv, for the peer comparison
+# (`python -m bench.perf.frontend_peers`). `pip install ai-dynamo` fails here on a dependency
+# served only by a vendor index: the runtime and ai-dynamo's listed dependencies first, then
+# ai-dynamo itself without its dependencies.
+DYNAMO_VENV ?= .venv-dynamo
+dynamo: $(DYNAMO_VENV)/bin/.dynamo-installed
+
+$(DYNAMO_VENV)/bin/.dynamo-installed:
+	$(PYTHON) -m venv $(DYNAMO_VENV)
+	$(DYNAMO_VENV)/bin/python -m pip install -q ai-dynamo-runtime==1.6.1 aiohttp certifi msgspec prometheus-client \
+		pyzmq redis tqdm transformers typing-extensions zstandard \
+		'kubernetes>=32.0.1,<33' 'pydantic<=2.13.5'
+	$(DYNAMO_VENV)/bin/python -m pip install -q --no-deps ai-dynamo==1.6.1
+	@touch $@

@@ -15,7 +15,7 @@ import sys
 from bench.errors import BenchError
 
 TOOLS = ("profile", "sweep", "compare", "fake-server", "loadgen-vs-aiperf", "calibrate", "compare-plan", "kv", "soak",
-         "engine-memory", "ttft-agreement", "first-token")
+         "engine-memory", "ttft-agreement", "first-token", "frontend-overhead")
 
 
 def add_command(sub: argparse._SubParsersAction) -> None:
@@ -76,6 +76,9 @@ def _add_tool_parsers(bsub: argparse._SubParsersAction) -> None:
     from bench.perf.first_token import add_parser as add_first_token_parser
 
     add_first_token_parser(bsub)
+    from bench.perf.frontend_overhead import add_parser as add_frontend_overhead_parser
+
+    add_frontend_overhead_parser(bsub)
     from bench.plan.cli import add_bench_parsers
 
     add_bench_parsers(bsub)
@@ -145,6 +148,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.perf.first_token import run as run_first_token
 
         return run_first_token(args)
+    if cmd == "frontend-overhead":
+        from bench.perf.frontend_overhead import run_cli as run_frontend_overhead
+
+        return run_frontend_overhead(args)
     if cmd == "ttft-agreement":
         from bench.perf.ttft_agreement import run as run_ttft_agreement
 

@@ -23,6 +23,7 @@ import msgspec
 from serve import protocol as p
 from serve.errors import WorkerError
 from serve.frontend.metrics import FrontendMetrics
+from serve.frontend.ndjson import NdjsonLines
 from kvtransfer.protocol import TransferParams
 from serve.frontend.pool import WorkerEntry, WorkerPool
 from serve.frontend.routing import RoutePlan, Routing
@@ -286,19 +287,12 @@ class Generation:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:300].decode(errors="replace")
                     raise WorkerError(f"worker {worker.url} answered HTTP {resp.status_code}: {text}")
-                lines = resp.aiter_lines()
+                lines = NdjsonLines(resp, self.read_timeout_s)
                 while True:
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise asyncio.TimeoutError()
                     try:
-                        # asyncio.timeout, not wait_for: no task per token on the hot path.
-                        async with asyncio.timeout(min(remaining, self.read_timeout_s)):
-                            line = await anext(lines)
+                        line = await lines.next(deadline)
                     except StopAsyncIteration:
                         raise WorkerError(f"worker {worker.url} closed the stream before finishing") from None
-                    if not line:
-                        continue
                     try:
                         delta = self._decode_delta(line)
                     except msgspec.DecodeError as exc:
@@ -341,6 +335,9 @@ class Generation:
                         finished = True
                         text += detok.finish()
                         yield TextEvent(text, delta.finish_reason or "stop", n_prompt, completion, cached)
+                        # Read the response's end, so its connection goes back to the pool (a
+                        # response left unread closes it: a new connection per request).
+                        await lines.drain()
                         return
                     if text or is_first:
                         yield TextEvent(text)

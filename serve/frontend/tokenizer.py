@@ -25,6 +25,12 @@ class Tokenizer:
             raise ModelError(f"cannot load the tokenizer of {model}: {exc}") from exc
         self.eos_token_id: int | None = self.hf.eos_token_id
         self.has_chat_template = bool(getattr(self.hf, "chat_template", None))
+        # Streaming decodes twice per token: straight to the Rust tokenizer where that is what
+        # transformers' decode would do anyway (a fast tokenizer that cleans up no spaces),
+        # a third of the time of going through transformers' Python layer.
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        cleans = getattr(self.hf, "clean_up_tokenization_spaces", True)
+        self._decode = backend.decode if backend is not None and not cleans else self.hf.decode
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
         if not self.has_chat_template:
@@ -35,7 +41,7 @@ class Tokenizer:
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids, skip_special_tokens=True)
+        return self._decode(ids, skip_special_tokens=True)
 
     def vocab_size(self) -> int:
         return len(self.hf)

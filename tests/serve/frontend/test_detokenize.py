@@ -61,3 +61,11 @@ def test_special_tokens_are_not_shown(tokenizer):
     ids = tokenizer.encode("Hello", add_special_tokens=False) + [eos]
     detok = IncrementalDetokenizer(tokenizer)
     assert detok.add(ids) + detok.finish() == "Hello"
+
+
+def test_the_direct_decode_equals_transformers_decode(tokenizer):
+    """Streaming decodes through the Rust tokenizer where transformers would do the same."""
+    ids = [t for text in TEXTS for t in tokenizer.encode(text, add_special_tokens=True)]
+    ids += [tokenizer.eos_token_id or 0, 0, 1, 2]  # special tokens are skipped by both
+    for n in range(1, len(ids), 7):
+        assert tokenizer.decode(ids[:n]) == tokenizer.hf.decode(ids[:n], skip_special_tokens=True)
