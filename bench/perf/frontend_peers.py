@@ -58,9 +58,9 @@ def start_dynamo(args: argparse.Namespace, model: str, servers: Servers, store: 
 def start_pdserve(args: argparse.Namespace, model: str, servers: Servers) -> tuple[str, dict[int, str]]:
     fport, wport = free_port(), free_port()
     url, worker = url_of(fport), url_of(wport)
-    f = servers.serve("pdserve frontend", pdserve("frontend", "--port", str(fport), "--model", model,
-                                                  "--served-model-name", MODEL_NAME, "--log-level", "warning"),
-                      f"{url}/health")
+    # The frontend's /health waits for a worker in rotation: start it, then the worker.
+    f = servers.start("pdserve frontend", pdserve("frontend", "--port", str(fport), "--model", model,
+                                                  "--served-model-name", MODEL_NAME, "--log-level", "warning"))
     servers.serve("pdserve sim worker", pdserve(
         "worker", "--engine", "sim", "--port", str(wport), "--model", model, "--served-model-name", MODEL_NAME,
         "--frontend", url, "--log-level", "warning", "--sim-step-model", f"constant:{args.step_ms / 1000:g}",
@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=12.0, help="length of each run (default: 12)")
     ap.add_argument("--isl", type=int, default=64, help="prompt tokens (default: 64)")
     ap.add_argument("--osl", type=int, default=50, help="output tokens, streamed (default: 50)")
-    ap.add_argument("--step-ms", type=float, default=10.0, help="pdserve simulated engine step (default: 10 ms)")
+    ap.add_argument("--step-ms", type=float, default=6.0,
+                    help="pdserve simulated engine step (default: 6 ms, the mocker's measured ITL at speed-up 1)")
     ap.add_argument("--mocker-speedup", type=float, default=1.0, help="Dynamo mocker --speedup-ratio (default: 1)")
     ap.add_argument("--start-timeout", type=float, default=180.0)
     ap.add_argument("--model", default=None, help="model directory (default: the embedded model)")

@@ -65,7 +65,8 @@ class Frontend:
         in-process one)."""
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.settings.model)
         self.client = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
+            # One kept connection per worker (polls and streams reuse it), for a thousand workers.
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=4096),
             timeout=httpx.Timeout(10.0), headers=token_headers(self.settings.cluster_token), transport=transport,
         )
         self.pool = WorkerPool(self.settings.served_model_name, self.settings.static_workers,

@@ -64,10 +64,19 @@ class WorkerEntry:
 
 
 class WorkerPool:
+    # Polls of /load a second at most, all workers together: past `poll_budget_per_s` workers
+    # each is polled less often than every poll interval (1,000 workers: every 4 s), rather
+    # than the frontend spending its CPU on polls. Polls are spread over the cycle in small
+    # batches (one every BATCH_S): a burst of a thousand GETs at once made polls time out on
+    # a loaded frontend, and three timed-out polls take a healthy worker out of rotation.
+    BATCH_S = 0.05
+
     def __init__(self, served_model_name: str, static_urls: list[str], poll_interval_s: float,
-                 max_failures: int, client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic) -> None:
+                 max_failures: int, client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
+                 poll_budget_per_s: float = 250.0) -> None:
         self.served_model_name = served_model_name
         self.poll_interval_s = poll_interval_s
+        self.poll_budget_per_s = poll_budget_per_s
         self.max_failures = max_failures
         self.client = client
         self.clock = clock
@@ -125,19 +134,34 @@ class WorkerPool:
         return False
 
     # -- health and load --------------------------------------------------------------
-    async def _poll_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.poll_interval_s)
-            await self.poll_once()
+    def cycle_s(self) -> float:
+        """Seconds between two polls of one worker."""
+        return max(self.poll_interval_s, len(self.workers) / self.poll_budget_per_s)
 
-    async def poll_once(self) -> None:
+    async def _poll_loop(self) -> None:
+        await asyncio.sleep(self.poll_interval_s)
+        while True:
+            t0 = time.monotonic()
+            cycle = self.cycle_s()
+            await self.poll_once(spread_s=cycle)
+            await asyncio.sleep(max(self.BATCH_S, cycle - (time.monotonic() - t0)))
+
+    async def poll_once(self, spread_s: float = 0.0) -> None:
+        """Poll every worker once: all at once, or in batches spread over `spread_s`."""
         now = self.clock()
         for url, entry in list(self.workers.items()):
-            if not entry.static and now > entry.lease_expiry + 3 * self.poll_interval_s + 30:
+            if not entry.static and now > entry.lease_expiry + 3 * self.cycle_s() + 30:
                 log.info("worker at %s dropped: lease expired", url)
                 del self.workers[url]
                 WorkerEntry.version += 1
-        await asyncio.gather(*(self._poll(e) for e in list(self.workers.values())))
+        entries = list(self.workers.values())
+        batches = max(1, min(len(entries), int(spread_s / self.BATCH_S)))
+        size = -(-len(entries) // batches) if entries else 1
+        t0 = time.monotonic()
+        for i, start in enumerate(range(0, len(entries), size)):
+            await asyncio.gather(*(self._poll(e) for e in entries[start:start + size]))
+            if batches > 1:
+                await asyncio.sleep(max(0.0, t0 + (i + 1) * spread_s / batches - time.monotonic()))
 
     async def _poll(self, entry: WorkerEntry) -> None:
         try:
