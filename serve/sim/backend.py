@@ -13,13 +13,15 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from serve import protocol as p
+from serve import listen, protocol as p
 from serve.sim.blocks import BlockTable
 from serve.sim.config import SimOptions
 from serve.sim.engine import SimEngine, SimRequest
@@ -46,6 +48,7 @@ class SimRole:
     cluster_token: str | None = None
     kv_events_bind: str | None = None  # where to publish KV events (None: not published)
     fault_pause_s: float = 0.0  # test-only: a decode waits this long before it acquires
+    side_channel_auto: bool = False  # the port was picked here (late_port): another may be tried
 
 
 class SimBackend:
@@ -81,13 +84,24 @@ class SimBackend:
             await asyncio.sleep(self.opts.startup_s)
         self.engine = SimEngine(cfg, self.vocab, self.opts.step_model, self.table, clock=self.clock)
         self.engine.on_step = self.on_step
-        side = f"tcp://{r.side_channel_host}:{r.side_channel_port}"
-        self._metadata = sim_metadata(r.engine_id, r.model, cfg.kv_cache_dtype, cfg.block_size, cfg.num_blocks,
-                                      self.opts.shape.num_layers,
-                                      max(1, self.opts.bytes_per_block // self.opts.shape.num_layers), side)
+        for attempt in range(10):
+            side = f"tcp://{r.side_channel_host}:{r.side_channel_port}"
+            self._metadata = sim_metadata(r.engine_id, r.model, cfg.kv_cache_dtype, cfg.block_size, cfg.num_blocks,
+                                          self.opts.shape.num_layers,
+                                          max(1, self.opts.bytes_per_block // self.opts.shape.num_layers), side)
+            if r.role != "prefill":
+                break
+            try:
+                self.holder = Holder(self.table, lambda: self._metadata, side, r.lease_s, r.read_timeout_s,
+                                     r.cluster_token, self.stats, clock=self.clock)
+                break
+            except zmq.ZMQError as exc:
+                # A port picked free a moment ago can be taken by another process starting at
+                # the same time (hundreds of workers at once): pick again.
+                if exc.errno != zmq.EADDRINUSE or not r.side_channel_auto or attempt == 9:
+                    raise
+                r = self.role = dataclasses.replace(r, side_channel_port=listen.late_port(r.side_channel_host))
         if r.role == "prefill":
-            self.holder = Holder(self.table, lambda: self._metadata, side, r.lease_s, r.read_timeout_s,
-                                 r.cluster_token, self.stats, clock=self.clock)
             self.holder.engine_id = r.engine_id
             self.engine.on_finished = lambda req: self.holder.hold(req, side)
             self.holder.start()

@@ -50,6 +50,7 @@ def build(s: WorkerSettings, passthrough: list[str], vocab: Vocabulary | None = 
     role = SimRole(role=s.role, engine_id=engine_id, model=s.model, served_model_name=s.served_model_name,
                    side_channel_host=s.dial_host,
                    side_channel_port=s.kv_side_channel_port or listen.late_port(s.host),
+                   side_channel_auto=not s.kv_side_channel_port,
                    lease_s=s.kv_lease_seconds, cluster_token=s.cluster_token, kv_events_bind=_events_bind(s),
                    fault_pause_s=s.kv_fault_pause_s)
     return Worker(s, SimBackend(opts, role, vocab))
