@@ -23,6 +23,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.auth import Gate, token_headers
+from serve.common.origins import PerOriginTransport
 from serve.frontend.admission import Admission
 from serve.frontend.errors import APIError, bad_request, error_response
 from serve.frontend.generate import Generation
@@ -64,14 +65,15 @@ class Frontend:
         """`transport`: where worker requests go (default: the network; tests may pass an
         in-process one)."""
         self.tokenizer = await asyncio.to_thread(Tokenizer, self.settings.model)
-        self.client = httpx.AsyncClient(
-            # One kept connection per worker (polls and streams reuse it), for a thousand workers.
-            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=4096),
-            timeout=httpx.Timeout(10.0), headers=token_headers(self.settings.cluster_token), transport=transport,
-        )
+        origins = None
+        if transport is None:  # one pool per worker (serve.common.origins), its connections kept for reuse
+            transport = origins = PerOriginTransport(limits=httpx.Limits(max_connections=1024,
+                                                                         max_keepalive_connections=256))
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0), headers=token_headers(self.settings.cluster_token),
+                                        transport=transport)
         self.pool = WorkerPool(self.settings.served_model_name, self.settings.static_workers,
                                self.settings.poll_interval_s, self.settings.max_poll_failures, self.client,
-                               clock=self.clock)
+                               clock=self.clock, on_removed=origins.forget if origins is not None else None)
         await self.pool.start()
         self.routing = Routing(self.settings, self.pool)
         self.generation = Generation(self.pool, self.client, self.tokenizer, self.metrics,

@@ -73,8 +73,9 @@ class WorkerPool:
 
     def __init__(self, served_model_name: str, static_urls: list[str], poll_interval_s: float,
                  max_failures: int, client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
-                 poll_budget_per_s: float = 250.0) -> None:
+                 poll_budget_per_s: float = 250.0, on_removed: Callable[[str], None] | None = None) -> None:
         self.served_model_name = served_model_name
+        self.on_removed = on_removed  # told the URL of each worker that leaves the pool
         self.poll_interval_s = poll_interval_s
         self.poll_budget_per_s = poll_budget_per_s
         self.max_failures = max_failures
@@ -127,11 +128,16 @@ class WorkerPool:
                 if entry.static:
                     entry.healthy = False
                 else:
-                    del self.workers[url]
-                    WorkerEntry.version += 1
+                    self._remove(url)
                 log.info("worker %s deregistered", worker_id)
                 return True
         return False
+
+    def _remove(self, url: str) -> None:
+        del self.workers[url]
+        WorkerEntry.version += 1
+        if self.on_removed is not None:
+            self.on_removed(url)
 
     # -- health and load --------------------------------------------------------------
     def cycle_s(self) -> float:
@@ -152,8 +158,7 @@ class WorkerPool:
         for url, entry in list(self.workers.items()):
             if not entry.static and now > entry.lease_expiry + 3 * self.cycle_s() + 30:
                 log.info("worker at %s dropped: lease expired", url)
-                del self.workers[url]
-                WorkerEntry.version += 1
+                self._remove(url)
         entries = list(self.workers.values())
         batches = max(1, min(len(entries), int(spread_s / self.BATCH_S)))
         size = -(-len(entries) // batches) if entries else 1
