@@ -74,6 +74,12 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+# Idle keep-alive connections live this long on the server: past the clients' own expiry
+# (httpx's 5 s), so a client never sends on a connection the server is closing at that very
+# moment (uvicorn's default, also 5 s, raced the frontend's reuse of its worker connections).
+KEEP_ALIVE_S = 30
+
+
 def serve(app: Any, sock: socket.socket, *, log_level: str, graceful_timeout_s: float) -> int:
     """Run `app` on `sock` until shutdown (as uvicorn.run would, on a socket already bound).
     A SIGTERM or SIGINT is re-raised by uvicorn after its graceful shutdown, as with uvicorn.run."""
@@ -81,7 +87,8 @@ def serve(app: Any, sock: socket.socket, *, log_level: str, graceful_timeout_s: 
 
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                            timeout_graceful_shutdown=max(1, int(graceful_timeout_s)))
+                            timeout_graceful_shutdown=max(1, int(graceful_timeout_s)),
+                            timeout_keep_alive=KEEP_ALIVE_S)
     server = uvicorn.Server(config)
     try:
         server.run(sockets=[sock])

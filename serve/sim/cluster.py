@@ -39,7 +39,7 @@ class _Served:
         self.sock = sock
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(app, host=HOST, port=self.port, log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=2, lifespan="on")
+                                timeout_graceful_shutdown=2, lifespan="on", timeout_keep_alive=listen.KEEP_ALIVE_S)
         self.server = uvicorn.Server(config)
         self.server.install_signal_handlers = lambda: None
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))

@@ -93,7 +93,8 @@ async def _serve_many(apps: list, socks: list[socket.socket], s: WorkerSettings)
     for app, sock in zip(apps, socks):
         host, port = sock.getsockname()[:2]
         config = uvicorn.Config(app, host=host, port=port, log_level=s.log_level, access_log=False,
-                                timeout_graceful_shutdown=max(1, int(s.graceful_timeout_s)))
+                                timeout_graceful_shutdown=max(1, int(s.graceful_timeout_s)),
+                                timeout_keep_alive=listen.KEEP_ALIVE_S)
         server = uvicorn.Server(config)
         server.install_signal_handlers = lambda: None  # one handler for all, below
         servers.append(server)
