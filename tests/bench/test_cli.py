@@ -51,6 +51,12 @@ def test_bench_errors_are_one_line(capsys, tmp_path):
     one_line_error(capsys, ["bench", "compare", str(tmp_path / "a"), str(tmp_path / "b")], "pdserve bench compare")
     one_line_error(capsys, ["bench", "calibrate", str(tmp_path)], "pdserve bench calibrate")
     one_line_error(capsys, ["bench"], "pdserve bench")
+    err = one_line_error(capsys, ["bench", "frontend-overhead", "--aiperf", str(tmp_path / "no-aiperf")],
+                         "pdserve bench frontend-overhead")
+    assert "make aiperf" in err
+    err = one_line_error(capsys, ["bench", "frontend-overhead", "--client", "pdserve", "--profile-concurrency", "16",
+                                  "--py-spy", str(tmp_path / "no-py-spy")], "pdserve bench frontend-overhead")
+    assert "make py-spy" in err
 
 
 def test_plan_errors_are_one_line(capsys, tmp_path):
