@@ -196,9 +196,12 @@ def client_cmd(args: argparse.Namespace, url: str, tokenizer: str, out: Path, co
     return [*pdserve("bench", "profile"), *common, "--no-plots"]
 
 
-def run_client(cmd: list[str], out: Path, timeout: float) -> dict[str, Any]:
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+def run_client(cmd: list[str], out: Path, timeout: float, fresh: bool = True) -> dict[str, Any]:
+    """Run a client writing its artifacts in `out` (emptied first unless `fresh` is False:
+    the caller did, and put its own files there)."""
+    if fresh:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     with open(out / "client.log", "wb") as f:
         proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout)
     doc_path = out / "profile_export_aiperf.json"
@@ -216,10 +219,12 @@ def _stat(doc: dict, tag: str, stat: str) -> float | None:
 def measure(name: str, roots: dict[int, str], args: argparse.Namespace, url: str, tokenizer: str, out: Path,
             concurrency: int, profile: bool) -> dict[str, Any]:
     procs = processes(roots)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
     spies = start_profilers(procs, out, args.py_spy) if profile else []
     before, t0 = cpu_by_process(procs), time.monotonic()
     try:
-        doc = run_client(client_cmd(args, url, tokenizer, out, concurrency), out, args.run_timeout)
+        doc = run_client(client_cmd(args, url, tokenizer, out, concurrency), out, args.run_timeout, fresh=False)
     finally:
         after, wall = cpu_by_process(procs), time.monotonic() - t0
         stop_profilers(spies)

@@ -262,7 +262,7 @@ class Generation:
         except (WorkerError, httpx.HTTPError, msgspec.DecodeError) as exc:
             if not isinstance(exc, WorkerError):
                 self.pool.report_failure(worker.url)
-            log.warning("request %s: prefill on %s failed: %s", request_id, worker.url, exc or type(exc).__name__)
+            log.warning("request %s: prefill on %s failed: %s", request_id, worker.url, str(exc) or type(exc).__name__)
             return "error"
 
     async def _stream(self, worker: WorkerEntry, request_id: str, body: bytes, detok: IncrementalDetokenizer,

@@ -52,3 +52,31 @@ async def test_one_pool_per_worker_reused_and_closed_when_the_worker_leaves():
         assert a.accepted == 2
     a.server.close()
     b.server.close()
+
+
+async def test_a_stream_in_flight_survives_its_worker_leaving():
+    """A draining worker finishes its streams: forgetting its origin must not cut them."""
+
+    async def slow(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for part in (b"one\n", b"two\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+            await writer.drain()
+            await asyncio.sleep(0.1)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(slow, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    transport = PerOriginTransport()
+    async with httpx.AsyncClient(transport=transport) as client:
+        async with client.stream("GET", f"{url}/generate") as resp:
+            got = []
+            async for chunk in resp.aiter_bytes():
+                got.append(chunk)
+                transport.forget(url)  # mid-stream, as a deregistration would
+            assert b"".join(got) == b"one\ntwo\n"
+        assert transport.pools == {}
+    server.close()
