@@ -165,6 +165,23 @@ class OfflineCluster:
             # else: the decode worker's READ finds the holder gone (`_loaded`) and recomputes
         self.routing.router.index.remove_worker(url)
 
+    def drain(self, url: str) -> None:
+        """The worker leaves rotation and finishes what it has (a real drain tells the
+        frontend at once, as this poll does)."""
+        w = self.workers[url]
+        w.draining = True
+        self._poll_one(w)
+
+    def retire(self, url: str) -> None:
+        """A drained worker with nothing left in flight stops and deregisters."""
+        w = self.workers[url]
+        w.alive = False
+        w.engine.stopped = True
+        entry = self.pool.workers.get(url)
+        if entry is not None and entry.info is not None:
+            self.pool.deregister(entry.info.worker_id)
+        self.routing.router.index.remove_worker(url)
+
     def _poll_one(self, w: SimWorker) -> None:
         entry = self.pool.workers.get(w.url)
         if entry is None:

@@ -124,8 +124,7 @@ class SimScaler:
         ready = [w for w in self.cluster.workers.values() if w.role == role and w.alive and not w.draining]
         ready.sort(key=lambda w: self.order.get(w.url, 0), reverse=True)
         for w in ready[:n]:
-            w.draining = True
-            self.cluster._poll_one(w)  # the frontend sees it draining at once (a real drain tells it)
+            self.cluster.drain(w.url)
         self._reap()
 
     def _busy(self, w: SimWorker) -> bool:
@@ -137,12 +136,7 @@ class SimScaler:
         gone = False
         for w in [w for w in self.cluster.workers.values() if w.draining and w.alive]:
             if not self._busy(w):
-                w.alive = False
-                w.engine.stopped = True
-                entry = self.cluster.pool.workers.get(w.url)
-                if entry is not None and entry.info is not None:
-                    self.cluster.pool.deregister(entry.info.worker_id)
-                self.cluster.routing.router.index.remove_worker(w.url)
+                self.cluster.retire(w.url)
                 gone = True
         if gone:
             self._mark()

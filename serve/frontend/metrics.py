@@ -5,7 +5,9 @@ One registry per frontend instance (no module globals), rendered at GET /metrics
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from serve.common.promtext import TextRenderer
 
 
 def geometric(lo: float, hi: float, ratio: float = 1.09) -> tuple[float, ...]:
@@ -70,6 +72,9 @@ class FrontendMetrics:
                             "(reading the body or waiting for a slot)", registry=r)
         self.rejected = Counter("pdserve_frontend_rejected_requests", "Requests refused by admission "
                                 "(overloaded: 429; queue_timeout: 504)", ["reason"], registry=r)
+        self._text = TextRenderer(r)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        """`generate_latest`'s text, rendered faster (serve.common.promtext): scrapers such
+        as AIPerf's read this three times a second."""
+        return self._text.render()
