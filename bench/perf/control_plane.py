@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def table(rep: dict[str, Any]) -> str:
     idle = rep["idle"]
     lines = [f"SIMULATED: one frontend, {rep['workers']} simulated workers ({rep['prefill_share']:.0%} prefill), "
-             f"poll {rep['poll_interval_s']} s, lease {rep['lease_seconds']} s; in rotation after {rep['startup_s']} s; "
+             f"poll {rep['poll_interval_s']} s, lease {rep['lease_seconds']} s; "
+             f"in rotation after {rep['startup_s']} s; "
              f"idle {idle['seconds']} s: fewest in rotation {idle['fewest_in_rotation']}, frontend CPU "
              f"{idle['frontend_cpu_per_s']:.3f} s/s", "",
              "| rate /s | achieved /s | errors | frontend CPU ms/request | route p50 / p99 ms | TTFT p50 ms | "

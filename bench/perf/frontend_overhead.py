@@ -262,7 +262,8 @@ def ratios(runs: list[dict[str, Any]], levels: list[int]) -> list[dict[str, Any]
 def table(summary: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [f"pdserve agg (1 worker) / vLLM's OpenAI server, {args.client} client, ISL {args.isl}, OSL {args.osl} "
              f"(ignore_eos), order {'/'.join(ORDER)}; means of two passes each", "",
-             "| concurrency | output tok/s pdserve / vLLM | ITL p50 | TTFT p50 | non-engine CPU ms/request pdserve / vLLM |",
+             "| concurrency | output tok/s pdserve / vLLM | ITL p50 | TTFT p50 | "
+             "non-engine CPU ms/request pdserve / vLLM |",
              "|---|---|---|---|---|"]
     for r in summary:
         p, v = r["pdserve"], r["vllm"]

@@ -7,12 +7,12 @@ engine, at the same request rates and lengths, in one run.
 - Dynamo: `python -m dynamo.frontend` + `python -m dynamo.mocker` (Dynamo 1.6.1, `make dynamo`),
   without etcd or NATS: `--discovery-backend file --request-plane tcp --event-plane zmq`.
 - pdserve: `pdserve frontend` + one simulated worker (`pdserve worker --engine sim`).
-Both engines step every `--step-ms` (the mocker at `--speedup-ratio 0`, no modelled delay,
-would make the comparison a spin; pdserve's simulated worker is given a constant step, the
-mocker its speed-up that measured closest: the ITL each achieved is in the report, so the
-two backends' pace can be checked). The mocker binds all interfaces, so everything (servers
-and client) runs in a private network namespace (`unshare -n`, loopback only); the script
-re-executes itself there.
+The engines are paced alike: the mocker models its engine (`--mocker-speedup`, default 1:
+~6-9 ms between tokens here), pdserve's simulated worker steps every `--step-ms` (default 6);
+the ITL each achieved is in the report, so the two backends' pace can be checked (the mocker
+at speed-up 0, no delay at all, would make the comparison a spin). The mocker binds all
+interfaces, so everything (servers and client) runs in a private network namespace
+(`unshare -n`, loopback only); the script re-executes itself there.
 
 The client is `pdserve bench profile` (streaming chat, ISL `--isl`, OSL `--osl` with
 ignore_eos, constant arrivals). Measured for each frontend: its process's CPU-seconds per

@@ -202,7 +202,8 @@ class OpenAIApi:
         if isinstance(exc, asyncio.TimeoutError):
             return APIError(504, "the request timed out", "timeout_error", None, "timeout")
         if isinstance(exc, WorkerError | httpx.HTTPError):
-            return APIError(502, f"worker failed: {str(exc) or type(exc).__name__}", "server_error", None, "worker_error")
+            why = str(exc) or type(exc).__name__  # httpx's ReadError has no message
+            return APIError(502, f"worker failed: {why}", "server_error", None, "worker_error")
         log.exception("unexpected error", exc_info=exc)
         return APIError(500, f"internal error: {type(exc).__name__}", "server_error", None, "internal_error")
 
