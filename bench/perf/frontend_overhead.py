@@ -14,9 +14,10 @@ hits both sides alike). The client is AIPerf (`make aiperf`; `--client pdserve` 
 Per server, pass and concurrency: output tokens/s, ITL p50, TTFT p50 (the client's), and the
 CPU-seconds each process of the server used during the run (psutil, whole process trees):
 the engine core, and everything on the request's path that is not the engine (vLLM's API
-server; pdserve's frontend and worker API), per request. With `--profile-concurrency C` the
-first pass of each server at concurrency C also runs `py-spy record` on its non-engine
-processes; the collapsed stacks and a summary of the top functions are kept.
+server; pdserve's frontend and worker API), per request. With `--profile-concurrency C` one
+more pass of each server at concurrency C runs `py-spy record` on its non-engine processes
+(kept out of the ratios: the profiler's own CPU would bias them); the collapsed stacks and a
+summary of the top functions are kept.
 
 Writes `<out>/frontend_overhead.json` (every run, then the ratios pdserve / vLLM at each
 concurrency, means over the two passes) and `<out>/frontend_overhead.md` (the table).
@@ -246,7 +247,8 @@ def measure(name: str, roots: dict[int, str], args: argparse.Namespace, url: str
 def ratios(runs: list[dict[str, Any]], levels: list[int]) -> list[dict[str, Any]]:
     rows = []
     for c in levels:
-        side = {s: [r for r in runs if r["server"] == s and r["concurrency"] == c] for s in ("vllm", "pdserve")}
+        side = {s: [r for r in runs if r["server"] == s and r["concurrency"] == c and not r.get("profiled")]
+                for s in ("vllm", "pdserve")}
         if not side["vllm"] or not side["pdserve"]:
             continue
         mean = {s: {k: statistics.mean(r[k] for r in rs) for k in ("output_tokens_per_s", "itl_p50_ms",
@@ -293,20 +295,24 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs: list[dict[str, Any]] = []
-    profiled: set[str] = set()
+    # The measured passes, then (with --profile-concurrency) one more pass per server at that
+    # concurrency under py-spy, kept out of the ratios: the profiler costs CPU on the shared
+    # core, and pdserve has two processes to sample where vLLM has one.
+    passes = [(name, args.concurrency, False) for name in ORDER]
+    if args.profile_concurrency is not None:
+        passes += [(name, [args.profile_concurrency], True) for name in ("pdserve", "vllm")]
     with open(out / "servers.log", "wb") as log:
-        for i, name in enumerate(ORDER):
+        for i, (name, levels, profile) in enumerate(passes):
             with Servers(log) as servers:
                 url, roots = (start_vllm if name == "vllm" else start_pdserve)(model, servers, args)
                 run_client(client_cmd(args, url, tokenizer, out / f"warmup_{i}", 2), out / f"warmup_{i}",
                            args.run_timeout)
-                for c in args.concurrency:
-                    profile = c == args.profile_concurrency and name not in profiled
-                    row = measure(name, roots, args, url, tokenizer, out / f"pass{i}_{name}_c{c}", c, profile)
-                    row["pass"] = i
-                    profiled |= {name} if profile else set()
+                for c in levels:
+                    tag = "profile" if profile else f"pass{i}"
+                    row = measure(name, roots, args, url, tokenizer, out / f"{tag}_{name}_c{c}", c, profile)
+                    row["pass"], row["profiled"] = i, profile
                     runs.append(row)
-                    print(f"{name:8s} pass {i} c={c:<3d} {row['output_tokens_per_s'] or 0:8.1f} tok/s  ITL p50 "
+                    print(f"{name:8s} {tag:7s} c={c:<3d} {row['output_tokens_per_s'] or 0:8.1f} tok/s  ITL p50 "
                           f"{row['itl_p50_ms'] or 0:6.2f} ms  TTFT p50 {row['ttft_p50_ms'] or 0:8.1f} ms  CPU "
                           f"{row['cpu_s']}  errors {row['errors']:.0f}", flush=True)
     summary = ratios(runs, args.concurrency)

@@ -26,3 +26,6 @@ def test_ratios_are_pdserve_over_vllm_means_of_the_passes():
                    run("vllm", 16, 100, 10), run("vllm", 32, 1, 1)], [16, 32])
     assert len(rows) == 1  # no pdserve run at 32: no ratio
     assert rows[0]["output_tokens_per_s_ratio"] == 0.95 and rows[0]["itl_p50_ms_ratio"] == 1.2
+    profiled = {**run("pdserve", 16, 10, 99), "profiled": True}  # under py-spy: not in the ratios
+    assert ratios([run("vllm", 16, 100, 10), run("pdserve", 16, 100, 10), profiled], [16])[0][
+        "output_tokens_per_s_ratio"] == 1.0
