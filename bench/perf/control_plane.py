@@ -29,7 +29,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +38,8 @@ from typing import Any
 import httpx
 
 from bench.perf.errors import PerfError
-from bench.perf.frontend_overhead import MODEL_NAME, cpu_by_process, cpu_by_role, processes, run_client
+from bench.perf.frontend_overhead import MODEL_NAME, cpu_by_process, cpu_by_role, processes
+from bench.perf.rate_run import rate_run
 from bench.perf.servers import Servers, free_port, pdserve, url_of
 from serve.frontend.settings import FrontendSettings
 
@@ -120,34 +120,11 @@ def wait_all(url: str, n: int, timeout: float, servers: Servers) -> float:
     raise PerfError(f"only {last} of {n} workers in rotation after {timeout:.0f}s; log {servers.log.name}")
 
 
-def client_cmd(args: argparse.Namespace, url: str, tokenizer: str, out: Path, rate: float) -> list[str]:
-    return [*pdserve("bench", "profile"), "-m", MODEL_NAME, "--tokenizer", tokenizer, "--endpoint-type", "chat",
-            "-u", url, "--isl", str(args.isl), "--osl", str(args.osl), "--streaming",
-            "--extra-inputs", "ignore_eos:true", "--request-rate", f"{rate:g}", "--arrival-pattern", "constant",
-            "--num-requests", str(max(1, int(rate * args.seconds))), "--ui-type", "none", "--artifact-dir", str(out),
-            "--no-plots", "--random-seed", "0"]
-
-
 def load_run(args: argparse.Namespace, url: str, roots: dict[int, str], tokenizer: str, out: Path,
              rate: float) -> dict[str, Any]:
-    procs = processes(roots)
-    before = cpu_by_process(procs)
     with RotationWatch(url, args.sample_s) as watch:
-        try:
-            doc = run_client(client_cmd(args, url, tokenizer, out, rate), out, args.seconds * 10 + 300)
-        except (PerfError, subprocess.TimeoutExpired) as exc:
-            return {"target": rate, "failed": str(exc)[:400], "fewest_in_rotation": watch.low}
-    cpu = cpu_by_role(procs, before, cpu_by_process(procs)).get("frontend", 0.0)
-    stat = (lambda tag, s="avg": (doc.get(tag) or {}).get(s))
-    n = stat("request_count") or 0
-    achieved = stat("request_throughput") or 0.0
-    errors = stat("error_request_count") or 0
-    return {"target": rate, "requests": n, "achieved": achieved, "errors": errors,
-            "sustained": achieved >= 0.95 * rate and not errors,
-            "frontend_cpu_ms_per_request": round(1000 * cpu / n, 3) if n else None,
-            "route_ms_p50": stat("server_stage_route", "p50"), "route_ms_p99": stat("server_stage_route", "p99"),
-            "ttft_ms_p50": stat("time_to_first_token", "p50"), "itl_ms_p50": stat("inter_token_latency", "p50"),
-            "fewest_in_rotation": watch.low, "rotation_samples": len(watch.samples)}
+        row = rate_run(url, roots, tokenizer, out, rate, args.seconds, args.isl, args.osl, args.seconds * 10 + 300)
+    return {**row, "fewest_in_rotation": watch.low, "rotation_samples": len(watch.samples)}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -207,7 +184,7 @@ def table(rep: dict[str, Any]) -> str:
             continue
         lines.append(f"| {r['target']:g} | {r['achieved']:.1f} | {r['errors']:.0f} | "
                      f"{r['frontend_cpu_ms_per_request'] or float('nan'):.2f} | {r['route_ms_p50'] or float('nan'):.3f}"
-                     f" / {r['route_ms_p99'] or float('nan'):.3f} | {r['ttft_ms_p50'] or float('nan'):.1f} | "
+                     f" / {r['route_ms_p99'] or float('nan'):.3f} | {r['ttft_p50_ms'] or float('nan'):.1f} | "
                      f"{r['fewest_in_rotation']} |")
     lines += ["", f"highest sustained rate: {rep['load']['highest_sustained']:g}/s"]
     return "\n".join(lines) + "\n"

@@ -35,7 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.perf.errors import PerfError
-from bench.perf.frontend_overhead import MODEL_NAME, processes, cpu_by_process, cpu_by_role, run_client
+from bench.perf.frontend_overhead import MODEL_NAME
+from bench.perf.rate_run import rate_run
 from bench.perf.servers import Servers, free_port, pdserve, url_of
 
 INSIDE = "PDSERVE_PEERS_NETNS"
@@ -88,33 +89,10 @@ def wait_model(url: str, servers: Servers, timeout: float) -> None:
     raise PerfError(f"{url}: no model served after {timeout:.0f}s ({last}); log {servers.log.name}")
 
 
-def client_cmd(args: argparse.Namespace, url: str, tokenizer: str, out: Path, rate: float, n: int) -> list[str]:
-    return [*pdserve("bench", "profile"), "-m", MODEL_NAME, "--tokenizer", tokenizer, "--endpoint-type", "chat",
-            "-u", url, "--isl", str(args.isl), "--osl", str(args.osl), "--streaming",
-            "--extra-inputs", "ignore_eos:true", "--request-rate", f"{rate:g}", "--arrival-pattern", "constant",
-            "--num-requests", str(n), "--ui-type", "none", "--artifact-dir", str(out), "--no-plots",
-            "--random-seed", "0"]
-
-
 def one_rate(args: argparse.Namespace, name: str, url: str, roots: dict[int, str], tokenizer: str, out: Path,
              rate: float) -> dict[str, Any]:
-    n = max(1, int(rate * args.seconds))
-    procs = processes(roots)
-    before, t0 = cpu_by_process(procs), time.monotonic()
-    try:
-        doc = run_client(client_cmd(args, url, tokenizer, out, rate, n), out, args.seconds * 10 + 120)
-    except (PerfError, subprocess.TimeoutExpired) as exc:
-        return {"frontend": name, "target": rate, "failed": str(exc)[:400]}
-    cpu = cpu_by_role(procs, before, cpu_by_process(procs)).get("frontend", 0.0)
-    stat = (lambda tag, s="avg": (doc.get(tag) or {}).get(s))
-    done = stat("request_count") or 0
-    achieved = stat("request_throughput") or 0.0
-    errors = stat("error_request_count") or 0
-    return {"frontend": name, "target": rate, "requests": done, "achieved": achieved, "errors": errors,
-            "sustained": achieved >= 0.95 * rate and not errors and done >= n,
-            "frontend_cpu_s": cpu, "frontend_cpu_ms_per_request": 1000 * cpu / done if done else None,
-            "osl_avg": stat("output_sequence_length"), "itl_p50_ms": stat("inter_token_latency", "p50"),
-            "ttft_p50_ms": stat("time_to_first_token", "p50"), "wall_s": round(time.monotonic() - t0, 1)}
+    row = rate_run(url, roots, tokenizer, out, rate, args.seconds, args.isl, args.osl, args.seconds * 10 + 120)
+    return {"frontend": name, **row}
 
 
 def run_inside(args: argparse.Namespace) -> int:

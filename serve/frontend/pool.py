@@ -155,8 +155,9 @@ class WorkerPool:
     async def poll_once(self, spread_s: float = 0.0) -> None:
         """Poll every worker once: all at once, or in batches spread over `spread_s`."""
         now = self.clock()
+        grace = 3 * self.cycle_s() + 30
         for url, entry in list(self.workers.items()):
-            if not entry.static and now > entry.lease_expiry + 3 * self.cycle_s() + 30:
+            if not entry.static and now > entry.lease_expiry + grace:
                 log.info("worker at %s dropped: lease expired", url)
                 self._remove(url)
         entries = list(self.workers.values())
