@@ -86,6 +86,7 @@ class Decision:
     load: dict[str, Any]
     candidates: list[dict[str, Any]] = field(default_factory=list)
     observation: dict[str, Any] = field(default_factory=dict)
+    actions: list[dict[str, Any]] = field(default_factory=list)  # what the actuator did for it
 
     @property
     def changed(self) -> bool:
@@ -94,7 +95,7 @@ class Decision:
     def to_dict(self) -> dict[str, Any]:
         return {"t": round(self.t, 3), "current": self.current, "desired": self.desired, "changed": self.changed,
                 "reason": self.reason, "load": self.load, "candidates": self.candidates,
-                "observation": self.observation}
+                "observation": self.observation, "actions": self.actions}
 
 
 class Controller:

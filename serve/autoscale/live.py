@@ -17,10 +17,12 @@ import asyncio
 import logging
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
 
+from serve import discovery
 from serve import protocol as p
 from serve.auth import token_headers
 from serve.autoscale.observe import Observation, Pool
@@ -44,13 +46,19 @@ class LiveObserver:
     arrivals: dict[str, int] = field(default_factory=dict)
     step_since: dict[str, int] = field(default_factory=dict)
     first_seen: dict[str, float] = field(default_factory=dict)
+    rows: list[p.WorkerRow] = field(default_factory=list)  # the workers as the last observation saw them
 
-    async def observe(self, client: httpx.AsyncClient, starting: dict[str, int] | None = None) -> Observation:
+    async def observe(self, client: httpx.AsyncClient, starting: dict[str, int] | None = None,
+                      starting_of: Callable[[list[p.WorkerRow]], Awaitable[dict[str, int]]] | None = None
+                      ) -> Observation:
+        """One interval's observation. `starting`: workers launched and not serving yet, per
+        pool, or `starting_of(rows)` to ask for them once the workers are known. When no
+        frontend answered, `obs.complete` is False: nothing to decide on."""
         now = time.time()
         obs = Observation(time.monotonic(), self.interval_s, 0, pools={q: Pool() for q in self.pools})
         recent = now - 2 * self.interval_s
         rows: list[p.WorkerRow] | None = None
-        for fe in self.frontends:
+        for fe in await self.frontend_urls():
             try:
                 r = (await client.get(f"{fe}/internal/requests", params={"since": self.since.get(fe, 0)})).raise_for_status()
                 reply = _REQUESTS(r.content)
@@ -75,6 +83,10 @@ class LiveObserver:
                     obs.ttft_s.append(s.ttft_s)
                     if s.osl > 1:
                         obs.itl_s.append((s.duration_s - s.ttft_s) / (s.osl - 1))
+        obs.complete = rows is not None
+        self.rows = list(rows or [])
+        if starting_of is not None and obs.complete:
+            starting = await starting_of(self.rows)
         for role, n in (starting or {}).items():
             if role in obs.pools:
                 obs.pools[role].starting = n
@@ -93,6 +105,17 @@ class LiveObserver:
             ratios += scale
         obs.step_scale = statistics.median(ratios) if len(ratios) >= 5 else None
         return obs
+
+    async def frontend_urls(self) -> list[str]:
+        """Every frontend now: `http://HOST:PORT` as given, `dns+http://NAME:PORT` expanded to
+        each address NAME resolves to (on Kubernetes, the frontends' headless Service)."""
+        urls: list[str] = []
+        for entry in self.frontends:
+            found = await discovery.expand(entry)
+            if not found:
+                log.warning("frontend %s resolves to no address this interval", entry)
+            urls += [u for u in found if u not in urls]
+        return urls
 
     async def _worker(self, client: httpx.AsyncClient, url: str, warm: bool) -> tuple[int, list[float]]:
         waiting, ratios = 0, []

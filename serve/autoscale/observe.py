@@ -42,6 +42,7 @@ class Observation:
     queued: int = 0
     pools: dict[str, Pool] = field(default_factory=dict)
     step_scale: float | None = None  # measured / modelled step time of warm workers (median)
+    complete: bool = True  # False: the pools could not be seen (no frontend answered)
 
     @property
     def rate(self) -> float:

@@ -20,11 +20,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass, field
+from typing import Any
 
-from serve import flags, listen
+from serve import listen
 from serve.common.procs import Child, meminfo_available_gib, signal_group
+from serve.deploy.settings import UpSettings
 from serve.errors import PdserveError
 
 POLL_S = 0.5
@@ -45,108 +47,6 @@ def available_memory_gib() -> float:
     return meminfo_available_gib(16.0)
 
 
-@dataclass
-class UpSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    advertise_host: str | None = None
-    roles: list[str] = field(default_factory=lambda: ["agg"])
-    worker_base_port: int = 8100
-    model: str | None = None
-    served_model_name: str | None = None
-    kv_cache_gib: float = 1.0
-    ready_timeout_s: float = 180.0
-    grace_s: float = 20.0
-    log_level: str = "info"
-    frontend_args: list[str] = field(default_factory=list)
-    worker_args: list[str] = field(default_factory=list)
-    role_args: dict[str, list[str]] = field(default_factory=dict)  # extra worker flags per role
-    engine: str = "vllm"  # vllm | sim
-
-    @staticmethod
-    def add_arguments(u: argparse.ArgumentParser) -> None:
-        u.add_argument("--host", default=flags.DEFAULT_HOST, help="bind address for every process (default: 127.0.0.1)")
-        u.add_argument("--port", type=int, default=8000, help="frontend port (default: 8000)")
-        u.add_argument("--advertise-host", default=None, help="host others should dial (default: --host)")
-        u.add_argument("--engine", choices=["vllm", "sim"], default="vllm",
-                       help="vllm: real engines, one process each; sim: simulated workers (serve.sim), one process "
-                            "per role with all of that role's workers (default: vllm)")
-        u.add_argument("--sim-step-model", default=None, metavar="MODEL",
-                       help="--engine sim: every simulated worker's step model, e.g. constant:0.02 (default: the "
-                            "simulated worker's)")
-        u.add_argument("--sim-profile", default=None, metavar="FILE",
-                       help="--engine sim: step times from a pdserve.profile/1 file (`pdserve sim --write-profile`, "
-                            "`pdserve bench calibrate`)")
-        u.add_argument("--sim-speedup", type=float, default=None, metavar="X",
-                       help="--engine sim: divide modelled step and transfer times by X (leases, polls and "
-                            "timeouts stay in wall-clock time)")
-        u.add_argument("--sim-startup-s", type=float, default=None, metavar="S",
-                       help="--engine sim: each simulated engine's start-up delay")
-        u.add_argument("--mode", choices=["agg", "disagg"], default="agg",
-                       help="agg: --workers aggregated workers; disagg: --prefill and --decode workers (default: agg)")
-        u.add_argument("--workers", type=int, default=1, help="agg mode: number of aggregated workers (default: 1)")
-        u.add_argument("--prefill", type=int, default=1, help="disagg mode: number of prefill workers (default: 1)")
-        u.add_argument("--decode", type=int, default=1, help="disagg mode: number of decode workers (default: 1)")
-        u.add_argument("--kv-lease-seconds", type=float, default=30.0,
-                       help="disagg mode: prefill workers' KV lease (default: 30)")
-        u.add_argument("--kv-cache-dtype", default=None,
-                       help="KV cache dtype for every worker, e.g. fp8 (default: model's)")
-        u.add_argument("--tensor-parallel-size", type=int, default=None,
-                       help="vLLM tensor parallelism of every worker (default: vLLM's, 1)")
-        u.add_argument("--max-num-seqs", type=int, default=None,
-                       help="vLLM max-num-seqs (batch) of every worker (default: vLLM's)")
-        u.add_argument("--prefill-max-num-seqs", type=int, default=None,
-                       help="disagg mode: max-num-seqs of prefill workers")
-        u.add_argument("--decode-max-num-seqs", type=int, default=None,
-                       help="disagg mode: max-num-seqs of decode workers")
-        flags.add_router(u)
-        u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
-        u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
-        u.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                       help="require `Authorization: Bearer KEY` on the frontend's OpenAI endpoints (repeatable; "
-                            "env PDSERVE_API_KEY)")
-        u.add_argument("--ready-timeout", type=float, default=180.0,
-                       help="seconds to wait for every process to become ready (default: 180)")
-        flags.add_model(u)
-        flags.add_log_level(u)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> UpSettings:
-        if args.kv_cache_gib < 1 or args.kv_cache_gib != int(args.kv_cache_gib):
-            raise PdserveError(f"--kv-cache-gib {args.kv_cache_gib:g}: a whole number of GiB >= 1")
-        if min(args.workers, args.prefill, args.decode) < 0 or (args.mode == "agg" and args.workers < 1) \
-                or (args.mode == "disagg" and args.decode < 1):
-            raise PdserveError("need at least one agg worker (agg) or one decode worker (disagg)")
-        roles = (["agg"] * args.workers if args.mode == "agg"
-                 else ["prefill"] * args.prefill + ["decode"] * args.decode)
-        worker_args = ["--kv-lease-seconds", str(args.kv_lease_seconds)] + (
-            ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
-        for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
-                            ("--max-num-seqs", args.max_num_seqs)):
-            if value is not None:
-                if value < 1:
-                    raise PdserveError(f"{flag} must be >= 1")
-                worker_args += [flag, str(value)]
-        for flag, value in (("--sim-step-model", args.sim_step_model), ("--sim-profile", args.sim_profile),
-                            ("--sim-speedup", args.sim_speedup), ("--sim-startup-s", args.sim_startup_s)):
-            if value is not None:
-                if args.engine != "sim":
-                    raise PdserveError(f"{flag} needs --engine sim")
-                worker_args += [flag, str(value)]
-        role_args: dict[str, list[str]] = {}
-        for role, value in (("prefill", args.prefill_max_num_seqs), ("decode", args.decode_max_num_seqs)):
-            if value is not None:
-                if value < 1:
-                    raise PdserveError(f"--{role}-max-num-seqs must be >= 1")
-                role_args[role] = ["--max-num-seqs", str(value)]
-        return cls(host=args.host, port=args.port, advertise_host=args.advertise_host, roles=roles,
-                   worker_base_port=args.worker_base_port, model=args.model,
-                   served_model_name=args.served_model_name, kv_cache_gib=args.kv_cache_gib,
-                   ready_timeout_s=args.ready_timeout, log_level=args.log_level,
-                   frontend_args=flags.router_flags(args), worker_args=worker_args, role_args=role_args,
-                   engine=args.engine)
-
-
 def run(args: argparse.Namespace) -> int:
     """`pdserve up`."""
     settings = UpSettings.from_args(args)
@@ -165,6 +65,14 @@ class Launcher:
         self.health_urls: dict[str, list[str]] = {}  # child -> URLs that must answer 200
         self._stopping = False
         self._frontend_sock: socket.socket | None = None
+        self._lock = threading.Lock()  # children and counters: the autoscaler's thread starts workers too
+        self._next_port = settings.worker_base_port
+        self._started: dict[str, int] = {}  # workers started per role (their ids' indexes)
+        self._base_args: list[str] = []
+        self._frontend_url = ""
+        self._kv_gib = settings.kv_cache_gib
+        self.autoscaler: Any = None
+        self._urls: dict[str, tuple[str, str]] = {}  # child name -> (worker URL, role)
 
     def _dial_host(self) -> str:
         host = self.s.advertise_host or self.s.host
@@ -172,8 +80,9 @@ class Launcher:
 
     def _spawn(self, name: str, args: list[str], health_urls: list[str], pass_fds: tuple[int, ...] = ()) -> Child:
         child = Child(name, [sys.executable, "-m", "serve.cli", *args], pass_fds=pass_fds)
-        self.health_urls[child.name] = list(health_urls)
-        self.children.append(child)
+        with self._lock:
+            self.health_urls[child.name] = list(health_urls)
+            self.children.append(child)
         print(f"pdserve up: started {name} (pid {child.pid})", flush=True)
         return child
 
@@ -210,44 +119,41 @@ class Launcher:
         # and nothing (an ephemeral outgoing port) can take it while the workers start.
         self._frontend_sock = listen.bind(self.s.host, self.s.port)
         fe_port = self._frontend_sock.getsockname()[1]
+        scaler_sock = listen.bind(self.s.host, self.s.autoscale.autoscale_port) if self.s.autoscale else None
         model = resolve_model(self.s.model)  # convert the embedded model once, before any worker
         name = self.s.served_model_name or served_name(self.s.model)
         dial = self._dial_host()
-        frontend_url = f"http://{dial}:{fe_port}"
-        ncpu = os.cpu_count() or 1
-        common = ["--model", model, "--served-model-name", name, "--log-level", self.s.log_level]
+        frontend_url = self._frontend_url = f"http://{dial}:{fe_port}"
+        common = self._base_args = ["--model", model, "--served-model-name", name, "--log-level", self.s.log_level]
         worker_urls = []
         deadline = time.monotonic() + self.s.ready_timeout_s
         counts: dict[str, int] = {}
-        if self.s.engine == "sim":
+        if self.s.engine == "sim" and self.s.autoscale is None:
             worker_urls = self._start_sim(dial, frontend_url, common, counts, deadline)
-        kv_gib = fit_kv_cache(self.s.kv_cache_gib, len(self.s.roles), available_memory_gib()) \
-            if self.s.engine != "sim" else self.s.kv_cache_gib
+        elif self.s.engine != "sim":
+            most = len(self.s.roles) if self.s.autoscale is None else self.s.autoscale.most_workers
+            self._kv_gib = fit_kv_cache(self.s.kv_cache_gib, most, available_memory_gib())
         # Prefill workers first, then decode (or agg) workers, each pinned to its own core. A
         # wave of one worker per core loads at once (an engine start is mostly one core's
-        # imports), and the next wave starts when it is ready.
-        real = self.s.roles if self.s.engine != "sim" else []
+        # imports), and the next wave starts when it is ready. Under --autoscale every worker,
+        # simulated ones too, is its own process (any one can be retired).
+        own = self.s.roles if self.s.engine != "sim" or self.s.autoscale is not None else []
+        ncpu = os.cpu_count() or 1
         wave: list[Child] = []
-        for i, role in enumerate(real):
-            n = counts[role] = counts.get(role, -1) + 1
-            port = self.s.worker_base_port + i
-            url = f"http://{dial}:{port}"
+        for i, role in enumerate(own):
+            url, child = self.start_worker(role)
+            counts[role] = self._started[role] - 1
             worker_urls.append(url)
-            args = ["worker", "--role", role, "--host", self.s.host, "--port", str(port),
-                    "--cpu-cores", str(i % ncpu), "--kv-cache-gib", f"{kv_gib:g}",
-                    "--frontend", frontend_url, "--worker-id", f"{role}-{n}", *common, *self.s.worker_args,
-                    *self.s.role_args.get(role, [])]
-            if self.s.advertise_host:
-                args += ["--advertise-host", self.s.advertise_host]
-            wave.append(self._spawn(f"worker {role}-{n} ({url})", args, [f"{url}/health"]))
-            if len(wave) == ncpu or i == len(real) - 1:
+            wave.append(child)
+            if len(wave) == ncpu or i == len(own) - 1:
                 self._wait_ready(wave, deadline)
                 wave = []
         fd = self._frontend_sock.fileno()
         fargs = ["frontend", "--host", self.s.host, "--port", str(fe_port), "--listen-fd", str(fd), *common,
                  *self.s.frontend_args]
-        for url in worker_urls:
-            fargs += ["--worker", url]
+        if self.s.autoscale is None:  # under --autoscale the workers register (and leave) themselves
+            for url in worker_urls:
+                fargs += ["--worker", url]
         frontend = self._spawn(f"frontend ({frontend_url})", fargs, [f"{frontend_url}/health"], pass_fds=(fd,))
         self._frontend_sock.close()  # the frontend holds it now
         self._frontend_sock = None
@@ -261,6 +167,60 @@ class Launcher:
             f"    -d '{{\"model\": \"{name}\", \"messages\": [{{\"role\": \"user\", "
             f"\"content\": \"What is the capital of France?\"}}]}}'\n"
             f"Stop with Ctrl-C.", flush=True)
+        if self.s.autoscale is not None:
+            from serve.deploy.autoscaled import start_autoscaler
+
+            self.autoscaler = start_autoscaler(self, self.s.autoscale, frontend_url,
+                                               {u: (r, c) for u, r, c in self._own_workers()}, scaler_sock)
+
+    # -- one worker at a time (start-up, and the autoscaler's local actuator) -------------------
+    def start_worker(self, role: str) -> tuple[str, Child]:
+        """Launch one worker process of `role` (its own process, simulated or real): its URL
+        and its Child. It registers with the frontend once its engine is up."""
+        with self._lock:
+            port, n = self._next_port, self._started.get(role, 0)
+            self._next_port += 1
+            self._started[role] = n + 1
+            index = sum(self._started.values()) - 1
+        url = f"http://{self._dial_host()}:{port}"
+        args = ["worker", "--role", role, "--host", self.s.host, "--port", str(port), "--frontend", self._frontend_url,
+                "--worker-id", f"{role}-{n}", *self._base_args, *self.s.worker_args, *self.s.role_args.get(role, [])]
+        if self.s.engine == "sim":
+            args[1:1] = ["--engine", "sim"]
+            kind = "simulated "
+        else:
+            args += ["--cpu-cores", str(index % (os.cpu_count() or 1)), "--kv-cache-gib", f"{self._kv_gib:g}"]
+            kind = ""
+        if self.s.advertise_host:
+            args += ["--advertise-host", self.s.advertise_host]
+        child = self._spawn(f"{kind}worker {role}-{n} ({url})", args, [f"{url}/health"])
+        self._urls[child.name] = (url, role)
+        return url, child
+
+    def _own_workers(self) -> list[tuple[str, str, Child]]:
+        with self._lock:
+            return [(*self._urls[c.name], c) for c in self.children if c.name in self._urls]
+
+    @staticmethod
+    def alive(child: Child) -> bool:
+        return child.popen.poll() is None
+
+    def stop_worker(self, child: Child) -> None:
+        """Stop one worker (SIGTERM to its group; SIGKILL after the grace period) and forget it."""
+        if child.popen.poll() is None:
+            signal_group(child.popen, signal.SIGTERM)
+            try:
+                child.popen.wait(timeout=self.s.grace_s)
+            except subprocess.TimeoutExpired:
+                print(f"pdserve up: {child.name} did not stop in {self.s.grace_s:.0f}s; killing it", flush=True)
+        signal_group(child.popen, signal.SIGKILL)  # and what its engine left in the group
+        if child.popen.poll() is None:
+            child.popen.wait(timeout=5)
+        with self._lock:
+            if child in self.children:
+                self.children.remove(child)
+            self._urls.pop(child.name, None)
+        print(f"pdserve up: stopped {child.name}", flush=True)
 
     def _start_sim(self, dial: str, frontend_url: str, common: list[str], counts: dict[str, int],
                    deadline: float) -> list[str]:
@@ -286,7 +246,12 @@ class Launcher:
         return urls
 
     def stop(self) -> None:
-        live = [c for c in self.children if c.popen.poll() is None]
+        if self.autoscaler is not None:  # first: it must start or stop nothing more
+            self.autoscaler.stop()
+            self.autoscaler = None
+        with self._lock:
+            children = list(self.children)
+        live = [c for c in children if c.popen.poll() is None]
         for child in reversed(live):  # frontend first, so no new requests reach stopping workers
             signal_group(child.popen, signal.SIGTERM)
         deadline = time.monotonic() + self.s.grace_s
@@ -295,7 +260,7 @@ class Launcher:
                 child.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 print(f"pdserve up: {child.name} did not stop in {self.s.grace_s:.0f}s; killing it", flush=True)
-        for child in self.children:
+        for child in children:
             # Also reaps engine-core processes left in the group after their parent exited.
             signal_group(child.popen, signal.SIGKILL)
             if child.popen.poll() is None:
@@ -314,7 +279,9 @@ class Launcher:
             self.start()
             reported: set[str] = set()
             while not self._stopping:
-                for child in self.children:
+                with self._lock:
+                    children = list(self.children)
+                for child in children:
                     if child.popen.poll() is not None and child.name not in reported:
                         reported.add(child.name)
                         print(f"pdserve up: {child.name} exited with status {child.popen.returncode}", flush=True)

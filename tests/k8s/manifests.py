@@ -14,8 +14,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-OVERLAYS = ("agg", "disagg", "cpu")
-GPU_OVERLAYS = ("agg", "disagg")
+OVERLAYS = ("agg", "disagg", "cpu", "disagg-autoscaled")
+GPU_OVERLAYS = ("agg", "disagg", "disagg-autoscaled")
 # Pinned: what the manifests are validated against (kubectl on this image is 1.32).
 KUBERNETES_VERSION = "1.32.0"
 WORKER_ROLES = ("agg", "prefill", "decode")

@@ -56,7 +56,8 @@ def test_every_container_has_resources_and_every_server_has_probes(overlay):
             res = c.get("resources", {})
             for part in ("requests", "limits"):
                 assert {"cpu", "memory"} <= set(res.get(part, {})), f"{name}/{c['name']} lacks {part}"
-        if name == "pdserve-model-cache":
+        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+        if name in ("pdserve-model-cache", "pdserve-autoscaler"):  # not servers of the model (autoscaler: its own test)
             continue
         for c in spec["containers"]:
             ports = {p["name"]: p["containerPort"] for p in c["ports"]}
@@ -69,7 +70,6 @@ def test_every_container_has_resources_and_every_server_has_probes(overlay):
             args = c["args"]
             graceful = float(args[args.index("--graceful-timeout") + 1])
             assert spec["terminationGracePeriodSeconds"] > graceful + 5, name
-        assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
 
 
 def test_grace_period_covers_the_request_timeout():
@@ -126,7 +126,7 @@ def test_model_cache_is_one_rwx_volume_filled_by_one_job(overlay):
     assert c["args"][:2] == ["model", "download"]
     assert not any(m.get("readOnly") for m in c["volumeMounts"])
     for name, _, spec in pod_specs(docs):
-        if name == job["metadata"]["name"]:
+        if name == job["metadata"]["name"] or name == "pdserve-autoscaler":  # the autoscaler needs no model
             continue
         # serving pods mount the cache read-only and wait for the Job, never download
         assert spec["initContainers"][0]["args"][:2] == ["model", "wait"]

@@ -56,7 +56,7 @@ def test_autoscale_without_dry_run_or_with_bad_flags_is_one_line(tmp_path, capsy
 
     base = ["autoscale", "--frontend", "http://127.0.0.1:9", "--ttft", "500", "--itl", "50",
             "--profile", str(tmp_path / "none.json")]
-    for extra, words in (([], "only --dry-run"), (["--dry-run"], "--profile"),
+    for extra, words in (([], "--actuator kubernetes, or --dry-run"), (["--dry-run"], "--profile"),
                          (["--dry-run", "--min-decode", "5", "--max-decode", "2"], "--min-decode")):
         assert main(base + extra) == 2
         lines = capsys.readouterr().err.strip().splitlines()

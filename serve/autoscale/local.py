@@ -1,0 +1,138 @@
+"""The local actuator: the autoscaler starts and stops worker processes on this machine
+(`pdserve up --autoscale`, real or simulated workers).
+
+It acts through a `Spawner` (the launcher, serve/deploy/launcher.py): `start_worker(role)`
+launches one worker process, which registers itself with the frontend once its engine is
+up; `stop_worker(handle)` stops one (SIGTERM to its process group, SIGKILL after the grace
+period). A scale-down drains each picked worker first (serve/autoscale/actuate.py), so no
+request is dropped; a worker still starting is stopped without a drain (it serves nothing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import httpx
+
+from serve import protocol as p
+from serve.auth import token_headers
+from serve.autoscale.actuate import Action, Background, drain, now, pick_to_retire
+
+log = logging.getLogger("pdserve.autoscale")
+
+
+class Spawner(Protocol):
+    def start_worker(self, role: str) -> tuple[str, Any]:
+        """Launch one worker of `role`: (its URL, a handle for the other calls)."""
+        ...
+
+    def alive(self, handle: Any) -> bool: ...
+
+    def stop_worker(self, handle: Any) -> None:
+        """Stop it (blocking, bounded by the spawner's grace period)."""
+        ...
+
+
+class LocalActuator:
+    name = "local"
+
+    def __init__(self, spawner: Spawner, workers: dict[str, tuple[str, Any]] | None = None,
+                 drain_timeout_s: float = 60.0, start_timeout_s: float = 900.0, token: str | None = None,
+                 keep: int = 200) -> None:
+        self.spawner = spawner
+        self.token = token
+        self.workers: dict[str, tuple[str, Any]] = dict(workers or {})  # url -> (role, handle): serving
+        self.pending: dict[str, tuple[str, Any, float]] = {}  # url -> (role, handle, started at): starting
+        self.retiring: set[str] = set()
+        self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
+        self.background = Background()
+        self.actions: deque[Action] = deque(maxlen=keep)
+        self.closed = False
+
+    on_action: Callable[[Action], None] | None = None
+
+    def _record(self, action: Action) -> Action:
+        self.actions.append(action)
+        if self.on_action is not None:
+            self.on_action(action)
+        log.info("actuator: %s %s %s%s", action.kind, action.pool, action.target,
+                 f": {action.detail}" if action.detail else "")
+        return action
+
+    async def starting(self, http: httpx.AsyncClient, rows: list[p.WorkerRow] | None = None) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for url, (role, handle, t0) in list(self.pending.items()):
+            if not self.spawner.alive(handle):
+                del self.pending[url]
+                self._record(Action(now(), role, "error", url, "exited during start-up"))
+                continue
+            try:
+                ready = (await http.get(f"{url}/health", timeout=2.0)).status_code == 200
+            except httpx.HTTPError:
+                ready = False
+            if ready:
+                del self.pending[url]
+                self.workers[url] = (role, handle)
+                self._record(Action(now(), role, "ready", url, f"serving after {now() - t0:.1f} s"))
+            elif now() - t0 > self.start_timeout_s:
+                del self.pending[url]
+                self._record(Action(now(), role, "error", url, f"not ready after {self.start_timeout_s:.0f} s; "
+                                                               "stopping it"))
+                await asyncio.to_thread(self.spawner.stop_worker, handle)
+            else:
+                out[role] = out.get(role, 0) + 1
+        for url, (_, handle) in list(self.workers.items()):
+            if url not in self.retiring and not self.spawner.alive(handle):
+                del self.workers[url]  # it died; the pool counts one less and the controller sees it
+        return out
+
+    async def apply(self, current: dict[str, int], desired: dict[str, int], rows: list[p.WorkerRow],
+                    http: httpx.AsyncClient, starting: dict[str, int] | None = None) -> list[Action]:
+        if self.closed:
+            return []
+        acts: list[Action] = []
+        for pool, want in desired.items():
+            diff = want - current.get(pool, 0)
+            for _ in range(max(0, diff)):
+                url, handle = await asyncio.to_thread(self.spawner.start_worker, pool)
+                self.pending[url] = (pool, handle, now())
+                acts.append(self._record(Action(now(), pool, "start", url)))
+            if diff < 0:
+                acts += await self._retire(pool, -diff, rows)
+        return acts
+
+    async def _retire(self, pool: str, n: int, rows: list[p.WorkerRow]) -> list[Action]:
+        acts: list[Action] = []
+        # Still starting: nothing to drain, stopped at once (the newest first).
+        for url in [u for u, (role, _, _) in reversed(self.pending.items()) if role == pool][:n]:
+            _, handle, _ = self.pending.pop(url)
+            await asyncio.to_thread(self.spawner.stop_worker, handle)
+            acts.append(self._record(Action(now(), pool, "stop", url, "was still starting")))
+            n -= 1
+        mine = {u for u, (role, _) in self.workers.items() if role == pool and u not in self.retiring}
+        for url in pick_to_retire(rows, pool, n, mine):
+            self.retiring.add(url)
+            acts.append(self._record(Action(now(), pool, "drain", url, "leaving rotation")))
+            self.background.spawn(self._drain_and_stop(pool, url), f"retire {url}")
+        return acts
+
+    async def _drain_and_stop(self, pool: str, url: str) -> None:
+        try:
+            async with httpx.AsyncClient(headers=token_headers(self.token)) as http:
+                ok, what = await drain(http, url, self.drain_timeout_s)
+            self._record(Action(now(), pool, "drained" if ok else "error", url, what))
+            _, handle = self.workers.pop(url)
+            await asyncio.to_thread(self.spawner.stop_worker, handle)
+            self._record(Action(now(), pool, "stop", url, "stopped"))
+        finally:
+            self.retiring.discard(url)
+
+    async def close(self) -> None:
+        """Start nothing more; retirements under way finish (each bounded by its drain's
+        timeout) or are cancelled after it; the spawner stops what is left on exit."""
+        self.closed = True
+        await self.background.wait(self.drain_timeout_s + 30.0)
