@@ -138,14 +138,14 @@ class Launcher:
         # imports), and the next wave starts when it is ready. Under --autoscale every worker,
         # simulated ones too, is its own process (any one can be retired).
         own = self.s.roles if self.s.engine != "sim" or self.s.autoscale is not None else []
-        ncpu = os.cpu_count() or 1
+        per_wave = (os.cpu_count() or 1) if self.s.engine != "sim" else len(own)  # a simulated one is light
         wave: list[Child] = []
         for i, role in enumerate(own):
             url, child = self.start_worker(role)
             counts[role] = self._started[role] - 1
             worker_urls.append(url)
             wave.append(child)
-            if len(wave) == ncpu or i == len(own) - 1:
+            if len(wave) == per_wave or i == len(own) - 1:
                 self._wait_ready(wave, deadline)
                 wave = []
         fd = self._frontend_sock.fileno()

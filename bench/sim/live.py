@@ -1,0 +1,259 @@
+"""SLA-autoscaler scenarios live: simulated workers behind the real frontend, the autoscaler
+acting through the local actuator (`pdserve up --engine sim --autoscale`), real processes and
+HTTP, wall-clock time:
+
+    python -m bench.sim.live [step|diurnal|burst|isl-shift|pool-loss ...] [--out DIR]
+
+Each scenario is bench/sim/scenarios.py's (same shape, durations and lengths) with the rate
+times RATE_SCALE and MAX_NUM_SEQS sequences per worker, so its peak needs 32 or more
+workers while the box carries the traffic (frontend, load generator and every worker process
+share its cores). Step times: the planner's Llama 3.1 70B TP 4 on H100 (as offline), at
+speed 1; every worker starts STARTUP_S after it is asked for (`--sim-startup-s`). The
+load: `pdserve bench profile` replaying the scenario's Mooncake trace on its schedule.
+Pool loss: a third of the decode processes are killed (SIGKILL) at its minute.
+Reported per scenario: requests, failed requests (the target: 0 across every scale-down),
+what the autoscaler did (scale-ups, drains, stops), the most workers at once, per-minute SLO
+attainment (as offline), and decisions reversed within 10 minutes. SIMULATED engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from serve.auth import token_headers
+from bench.sim.scenarios import (INTERVAL_S, ITL_S, MODEL, PERCENTILE, SCENARIOS, STARTUP_S, SYSTEM, TP, TTFT_S,
+                                 WINDOW_S, Scenario, trace)
+
+RATE_SCALE = 0.6
+MAX_NUM_SEQS = 4  # decode slots per worker: a small batch, so the box's traffic needs many workers
+SERVED = "smollm2-135m-instruct"
+
+
+def scaled(s: Scenario) -> Scenario:
+    return Scenario(s.name, s.duration_s, lambda t: s.rate(t) * RATE_SCALE, s.isl, s.osl, s.events_s,
+                    s.kill_decode_share_at, f"{s.describe} (rate x{RATE_SCALE:g})")
+
+
+def start_layout(profile: Path, s: Scenario) -> tuple[int, int]:
+    """The autoscaler model's (P, D) for the scenario's first minute: where an operator starts."""
+    from serve.autoscale.cli import load_profile
+    from serve.autoscale.decide import Bounds, Controller, Policy, Targets
+    from serve.autoscale.model import Engine, Load
+
+    step, kv = load_profile(str(profile))
+    eng = Engine(step, MAX_NUM_SEQS, 8192, kv or 10**9)
+    c = Controller(Policy("disagg", Targets(TTFT_S, ITL_S, PERCENTILE), Bounds(max_prefill=64, max_decode=64)),
+                   {"prefill": eng, "decode": eng})
+    load = Load(s.rate(0.0), [s.isl(0.0)], [s.osl(0.0)])
+    return c.smallest("prefill", load), c.smallest("decode", load)
+
+
+class Watch(threading.Thread):
+    """Every 10 s: the frontend's workers by role and state (the most at once, worker-minutes)."""
+
+    def __init__(self, frontend: str, headers: dict[str, str]) -> None:
+        super().__init__(daemon=True)
+        self.frontend, self.headers, self.series, self.stop_event = frontend, headers, [], threading.Event()
+
+    def run(self) -> None:
+        t0 = time.monotonic()
+        while not self.stop_event.wait(10.0):
+            try:
+                rows = httpx.get(f"{self.frontend}/internal/workers", headers=self.headers,
+                                 timeout=5).json()["workers"]
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue
+            n = {"t": round(time.monotonic() - t0, 1)}
+            for r in rows:
+                key = f"{r['role']}_{'ready' if r['in_rotation'] else 'out'}"
+                n[key] = n.get(key, 0) + 1
+            self.series.append(n)
+
+
+def windows(export: Path) -> tuple[list[dict[str, Any]], int, int]:
+    """Per arrival minute from the client's records: p90 TTFT and ITL, failures, met; and the
+    totals (requests, failed)."""
+    from serve.autoscale.model import quantile
+
+    recs = [json.loads(line) for line in export.read_text().splitlines() if line.strip()]
+    if not recs:
+        return [], 0, 0
+    base = min(r["metadata"]["request_start_ns"] for r in recs)
+    by: dict[int, list[dict]] = {}
+    for r in recs:
+        by.setdefault(int((r["metadata"]["request_start_ns"] - base) / 1e9 // WINDOW_S), []).append(r)
+    out = []
+    for k in sorted(by):
+        rs = by[k]
+        ok = [r for r in rs if not r.get("error")]
+        ttft = [r["metrics"]["time_to_first_token"]["value"] / 1e3 for r in ok if "time_to_first_token" in r["metrics"]]
+        itl = [r["metrics"]["inter_token_latency"]["value"] / 1e3 for r in ok if "inter_token_latency" in r["metrics"]]
+        t90, i90 = quantile(ttft, PERCENTILE) if ttft else 0.0, quantile(itl, PERCENTILE) if itl else 0.0
+        out.append({"minute": k, "requests": len(rs), "failed": len(rs) - len(ok), "ttft_p90_s": round(t90, 4),
+                    "itl_p90_s": round(i90, 5), "met": len(ok) == len(rs) and t90 <= TTFT_S and i90 <= ITL_S})
+    return out, len(recs), sum(1 for r in recs if r.get("error"))
+
+
+def kill_decode_share(frontend: str, share: float, headers: dict[str, str]) -> list[str]:
+    """SIGKILL the processes of a share of the decode workers in rotation (by their ports)."""
+    rows = [r for r in httpx.get(f"{frontend}/internal/workers", headers=headers, timeout=5).json()["workers"]
+            if r["role"] == "decode" and r["in_rotation"]]
+    victims = rows[:max(1, round(len(rows) * share))]
+    for r in victims:
+        port = r["url"].rsplit(":", 1)[1]
+        subprocess.run(["pkill", "-KILL", "-f", f"--port {port} "], check=False)
+    return [r["url"] for r in victims]
+
+
+def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port: int,
+             duration_s: float | None = None) -> dict[str, Any]:
+    from bench.sim.profiles import planner_profile
+
+    s = scaled(SCENARIOS[name])
+    if duration_s is not None:  # a shorter run of the same shape (smoke checks)
+        s = Scenario(s.name, min(s.duration_s, duration_s), s.rate, s.isl, s.osl, s.events_s,
+                     s.kill_decode_share_at, s.describe + f", first {duration_s:g} s")
+    d = out / name
+    d.mkdir(parents=True, exist_ok=True)
+    profile = d / "profile.json"
+    profile.write_text(json.dumps(planner_profile(MODEL, SYSTEM, TP, "fp8", "rdma"), indent=1) + "\n")
+    n = trace(s, d / "trace.jsonl")
+    p0, d0 = start_layout(profile, s)
+    fe, api = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{scaler_port}"
+    up_cmd = [sys.executable, "-m", "serve.cli", "up", "--engine", "sim", "--mode", "disagg", "--prefill", str(p0),
+              "--decode", str(d0), "--sim-profile", str(profile), "--sim-startup-s", str(STARTUP_S),
+              "--max-num-seqs", str(MAX_NUM_SEQS), "--autoscale", "--ttft", str(TTFT_S * 1000), "--itl",
+              str(ITL_S * 1000), "--percentile", str(PERCENTILE), "--interval", str(INTERVAL_S), "--startup-s",
+              str(STARTUP_S + 5), "--max-prefill", "64", "--max-decode", "64", "--max-workers", "96",
+              "--port", str(port), "--worker-base-port", str(worker_base_port), "--autoscale-port", str(scaler_port),
+              "--ready-timeout", "600", "--log-level", "warning"]
+    token = secrets.token_hex(16)  # the cluster's: /internal/workers needs it
+    headers = token_headers(token)
+    log = (d / "up.log").open("w")
+    up = subprocess.Popen(up_cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                          env={**os.environ, "PDSERVE_CLUSTER_TOKEN": token})
+    watch = Watch(fe, headers)
+    killed: list[str] = []
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if up.poll() is not None:
+                raise RuntimeError(f"pdserve up exited ({up.returncode}); see {d / 'up.log'}")
+            try:
+                if httpx.get(f"{api}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"pdserve up not ready in 900 s; see {d / 'up.log'}")
+            time.sleep(1)
+        watch.start()
+        load = subprocess.Popen([
+            sys.executable, "-m", "serve.cli", "bench", "profile", "-m", SERVED, "--endpoint-type", "chat", "-u", fe,
+            "--input-file", str(d / "trace.jsonl"), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
+            "--streaming", "--extra-inputs", "ignore_eos:true", "--ui-type", "none", "--artifact-dir", str(d / "load"),
+            "--request-timeout-seconds", "300"], stdout=(d / "load.log").open("w"), stderr=subprocess.STDOUT)
+        if s.kill_decode_share_at:
+            at, share = s.kill_decode_share_at
+            t0 = time.monotonic()
+            while load.poll() is None and time.monotonic() - t0 < at:
+                time.sleep(1)
+            if load.poll() is None:
+                killed = kill_decode_share(fe, share, headers)
+        load.wait(timeout=s.duration_s + 900)
+        explain = httpx.get(f"{api}/autoscaler", timeout=10).json()
+    finally:
+        watch.stop_event.set()
+        if up.poll() is None:
+            os.killpg(up.pid, signal.SIGTERM)
+            try:
+                up.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+        log.close()
+    ws, requests, failed = windows(d / "load" / "profile_export.jsonl")
+    acts = explain["actions"]
+    total = [sum(v for k, v in x.items() if k.endswith("_ready")) for x in watch.series]
+    met = sum(w["met"] for w in ws)
+    row = {"scenario": name, "describe": s.describe, "simulated": True, "trace_requests": n, "requests": requests,
+           "failed": failed, "killed_decode_workers": len(killed), "start_layout": f"{p0}P+{d0}D",
+           "most_workers_in_rotation": max(total, default=0),
+           "worker_minutes": round(sum(total) * 10 / 60, 1),
+           "started": sum(a["kind"] == "start" for a in acts), "drained": sum(a["kind"] == "drained" for a in acts),
+           "stopped": sum(a["kind"] == "stop" for a in acts),
+           "actuator_errors": [a for a in acts if a["kind"] == "error"],
+           "slo_attainment": round(met / len(ws), 4) if ws else None, "missed_windows": len(ws) - met,
+           "reversals_within_10min": _reversals(explain["decisions"])}
+    (d / "live.json").write_text(json.dumps({**row, "windows": ws, "series": watch.series,
+                                             "decisions": [x for x in explain["decisions"] if x["changed"]],
+                                             "actions": acts}, indent=1) + "\n")
+    return row
+
+
+def _reversals(decisions: list[dict[str, Any]], within_s: float = 600.0) -> int:
+    n, last = 0, {}
+    for d in sorted(decisions, key=lambda x: x["t"]):
+        for p, want in d["desired"].items():
+            delta = want - d["current"][p]
+            if delta:
+                sign = 1 if delta > 0 else -1
+                if p in last and last[p][1] != sign and d["t"] - last[p][0] < within_s:
+                    n += 1
+                last[p] = (d["t"], sign)
+    return n
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = ["| scenario (LIVE, simulated workers) | requests | failed | most workers | started / drained / stopped "
+             "| SLO attainment | missed windows | reversals < 10 min |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['scenario']}: {r['describe']} | {r['requests']} | {r['failed']} | "
+                     f"{r['most_workers_in_rotation']} | {r['started']} / {r['drained']} / {r['stopped']} | "
+                     f"{r['slo_attainment']:.1%} | {r['missed_windows']} | {r['reversals_within_10min']} |")
+    return "\n".join(lines)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.sim.live", description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", default=list(SCENARIOS), help=f"scenarios (default: all: {', '.join(SCENARIOS)})")
+    p.add_argument("--out", type=Path, default=Path("artifacts/autoscaler-live"))
+    p.add_argument("--port", type=int, default=8400, help="the frontend's port (default: 8400)")
+    p.add_argument("--worker-base-port", type=int, default=18000, help="first worker port; 100 are used (default: 18000)")
+    p.add_argument("--autoscale-port", type=int, default=8490)
+    p.add_argument("--duration-s", type=float, default=None, help="run only the first S seconds of each scenario")
+    args = p.parse_args(argv)
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the stack started here is stopped
+    signal.signal(signal.SIGTERM, _interrupt)
+    bad = [x for x in args.names if x not in SCENARIOS]
+    if bad:
+        print(f"python -m bench.sim.live: error: unknown scenario(s) {', '.join(bad)}; choose from "
+              f"{', '.join(SCENARIOS)}", file=sys.stderr)
+        return 2
+    rows = []
+    for name in args.names:
+        rows.append(run_live(name, args.out, args.port, args.worker_base_port, args.autoscale_port, args.duration_s))
+        print(table(rows[-1:]), flush=True)
+    (args.out / "live.md").write_text(table(rows) + "\n")
+    print(table(rows))
+    # failures are allowed only where workers were killed (their requests in flight)
+    return 0 if all(r["failed"] == 0 or r["killed_decode_workers"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
