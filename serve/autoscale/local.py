@@ -64,16 +64,24 @@ class LocalActuator:
         return action
 
     async def starting(self, http: httpx.AsyncClient, rows: list[p.WorkerRow] | None = None) -> dict[str, int]:
+        """Workers launched and not serving yet, per pool. With `rows` (the frontend's view), a
+        worker serves once it is in the frontend's rotation (its /health turns 200 a moment
+        before it has registered: counted as starting until then, not as missing); without
+        them, once its /health answers 200."""
+        in_rotation = None if rows is None else {r.url for r in rows if r.in_rotation}
         out: dict[str, int] = {}
         for url, (role, handle, t0) in list(self.pending.items()):
             if not self.spawner.alive(handle):
                 del self.pending[url]
                 self._record(Action(now(), role, "error", url, "exited during start-up"))
                 continue
-            try:
-                ready = (await http.get(f"{url}/health", timeout=2.0)).status_code == 200
-            except httpx.HTTPError:
-                ready = False
+            if in_rotation is not None:
+                ready = url in in_rotation
+            else:
+                try:
+                    ready = (await http.get(f"{url}/health", timeout=2.0)).status_code == 200
+                except httpx.HTTPError:
+                    ready = False
             if ready:
                 del self.pending[url]
                 self.workers[url] = (role, handle)
