@@ -139,8 +139,12 @@ class LocalActuator:
         finally:
             self.retiring.discard(url)
 
+    async def settle(self, timeout_s: float) -> None:
+        """Wait until the retirements under way have finished (each is bounded by its drain)."""
+        await self.background.wait(timeout_s)
+
     async def close(self) -> None:
-        """Start nothing more; retirements under way finish (each bounded by its drain's
-        timeout) or are cancelled after it; the spawner stops what is left on exit."""
+        """Start nothing more. Retirements under way are cancelled: this actuator closes when
+        the whole stack stops, and the launcher then stops every worker process itself."""
         self.closed = True
-        await self.background.wait(self.drain_timeout_s + 30.0)
+        await self.background.wait(0.0)

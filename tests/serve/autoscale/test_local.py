@@ -103,7 +103,7 @@ def test_local_actuator_scales_up_and_retires_without_dropping_a_stream(model_di
             async with httpx.AsyncClient() as http:
                 rows = _rows(fe)
                 acts = await act.apply({"agg": 3}, {"agg": 1}, rows, http)
-                await act.close()
+                await act.settle(60.0)
                 return acts, rows
         acts, before = asyncio.run(down())
         assert [a.kind for a in acts] == ["drain", "drain"]
