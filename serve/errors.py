@@ -30,3 +30,8 @@ class WorkerError(PdserveError):
 
 class NoWorkerAvailable(WorkerError):
     pass
+
+
+class WorkerRefused(WorkerError):
+    """A worker answered 503 before starting a request (draining, or its engine not up):
+    nothing reached its engine, so another worker may take it."""

@@ -148,6 +148,9 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
               str(ITL_S * 1000 * SLOWDOWN), "--percentile", str(PERCENTILE), "--interval", str(INTERVAL_S), "--startup-s",
               str(STARTUP_S + 5), "--max-prefill", "64", "--max-decode", "64", "--max-workers", "96",
               "--port", str(port), "--worker-base-port", str(worker_base_port), "--autoscale-port", str(scaler_port),
+              # the frontend's wall-clock timeouts stretched with the engine (a prefill queue that lasts
+              # 15 s at speed 1 lasts 60 s here)
+              "--prefill-timeout", str(60 * SLOWDOWN), "--worker-read-timeout", str(120 * SLOWDOWN),
               "--kv-cache-gib", "8",  # bookkeeping only for simulated workers: room to hold 4,000-token prompts
               "--ready-timeout", "600", "--log-level", "warning"]
     token = secrets.token_hex(16)  # the cluster's: /internal/workers needs it

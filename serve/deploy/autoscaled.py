@@ -112,7 +112,7 @@ def start_autoscaler(launcher: Any, ns: argparse.Namespace, frontend_url: str,
     observer = LiveObserver([frontend_url], controller.policy.pools, ns.interval, ns.step, token,
                             warmup_s=ns.startup_s)
     actuator = LocalActuator(launcher, workers, drain_timeout_s=60.0 if ns.drain_timeout is None else ns.drain_timeout,
-                             start_timeout_s=max(ns.ready_timeout, ns.startup_s * 3), token=token)
+                             start_timeout_s=max(ns.ready_timeout, ns.startup_s * 3), token=token, keep=5000)
     thread = AutoscalerThread(build_app(Autoscaler(controller, observer, ns.dry_run, actuator)), sock, ns.log_level)
     print(f"pdserve up: autoscaler at {thread.url}/autoscaler ({'dry run: recommends only' if ns.dry_run else 'acting'};"
           f" TTFT {ns.ttft:g} ms, ITL {ns.itl:g} ms at p{ns.percentile:g}, every {ns.interval:g} s)", flush=True)

@@ -68,6 +68,9 @@ class UpSettings:
         u.add_argument("--decode-max-num-seqs", type=int, default=None,
                        help="disagg mode: max-num-seqs of decode workers")
         flags.add_router(u)
+        u.add_argument("--worker-read-timeout", type=float, default=None, metavar="S",
+                       help="the frontend's --worker-read-timeout: seconds without a token from a worker before the "
+                            "request fails (default: the frontend's, 120)")
         u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
         u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
         u.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -112,6 +115,9 @@ class UpSettings:
                    worker_base_port=args.worker_base_port, model=args.model,
                    served_model_name=args.served_model_name, kv_cache_gib=args.kv_cache_gib,
                    ready_timeout_s=args.ready_timeout, log_level=args.log_level,
-                   frontend_args=flags.router_flags(args), worker_args=worker_args, role_args=role_args,
+                   frontend_args=flags.router_flags(args) + (
+                       [] if args.worker_read_timeout is None else ["--worker-read-timeout",
+                                                                    str(args.worker_read_timeout)]),
+                   worker_args=worker_args, role_args=role_args,
                    engine=args.engine, autoscale=autoscaled.settings_from_args(args))
 

@@ -21,7 +21,7 @@ import httpx
 import msgspec
 
 from serve import protocol as p
-from serve.errors import WorkerError
+from serve.errors import WorkerError, WorkerRefused
 from serve.frontend.metrics import FrontendMetrics
 from serve.frontend.ndjson import NdjsonLines
 from kvtransfer.protocol import TransferParams
@@ -136,11 +136,15 @@ class Generation:
                                 event.cached_tokens = prefill_cached
                             yield event
                     return
-                except httpx.ConnectError as exc:
-                    # Nothing reached the engine: another worker may take it.
+                except (httpx.ConnectError, WorkerRefused) as exc:
+                    # Nothing reached the engine (unreachable; or refused: draining, engine not up):
+                    # another worker may take it, with the same prompt, token and transfer params.
                     handed_over = kv_transfer is None
-                    self.pool.report_failure(worker.url)
-                    log.warning("request %s: worker %s unreachable (%s)", request_id, worker.url, exc)
+                    if isinstance(exc, WorkerRefused):
+                        log.info("request %s: worker %s refused it (%s); trying another", request_id, worker.url, exc)
+                    else:
+                        self.pool.report_failure(worker.url)
+                        log.warning("request %s: worker %s unreachable (%s)", request_id, worker.url, exc)
                     if started:
                         raise WorkerError(f"worker {worker.url} unreachable") from exc
                 worker = self.routing.next_worker(plan.decode_roles, tried, len(prompt_ids))
@@ -286,7 +290,8 @@ class Generation:
                                                    "x-request-id": request_id}) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread())[:300].decode(errors="replace")
-                    raise WorkerError(f"worker {worker.url} answered HTTP {resp.status_code}: {text}")
+                    kind = WorkerRefused if resp.status_code == 503 else WorkerError
+                    raise kind(f"worker {worker.url} answered HTTP {resp.status_code}: {text}")
                 lines = NdjsonLines(resp, self.read_timeout_s)
                 while True:
                     try:

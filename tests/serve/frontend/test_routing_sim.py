@@ -152,6 +152,25 @@ def test_a_connection_error_is_retried_on_another_worker(model_dir):
         assert rows[dead]["failures"] >= 1  # it was tried, and failed at connect
 
 
+def test_a_draining_worker_s_refusal_is_retried_on_another_worker(model_dir):
+    """A worker that has begun to drain but that the frontend still routes to (its
+    deregistration not seen yet) answers 503: nothing reached its engine, so the request goes
+    to another worker instead of failing (seen live when the autoscaler retired workers)."""
+    with ThreadedSimCluster(model_dir, ["agg", "agg"], engine_flags=FLAGS,
+                            frontend={"poll_interval_s": 30}) as c:
+        for url in c.urls("agg"):
+            c.cluster.workers[url].draining = True  # refuses /generate, still in the frontend's rotation
+            assert url in c.in_rotation()
+            answer = chat(c.url, FRANCE)
+            assert answer["choices"][0]["message"]["content"]
+            c.cluster.workers[url].draining = False
+        for url in c.urls("agg"):
+            c.cluster.workers[url].draining = True
+        r = httpx.post(f"{c.url}/v1/chat/completions", timeout=60,
+                       json={"model": MODEL, "messages": FRANCE, "max_tokens": 4})
+        assert r.status_code in (502, 503) and r.json()["error"]["message"], r.text  # no worker left: an error
+
+
 def _prompts(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": " ".join(f"word{i}-{j}" for j in range(20 + 15 * i))}] for i in range(n)]
 
