@@ -40,7 +40,7 @@ from serve.auth import token_headers
 MODEL = "smollm2-135m-instruct"
 ISL, OSL = 256, 64
 TTFT_MS, ITL_MS = 1000.0, 60.0
-HEAVY, LIGHT = 1.6, 0.3  # x the rate from which one worker misses a target (by the model)
+HEAVY, LIGHT = 1.3, 0.3  # x the rate from which one worker misses a target (by the model)
 HEAVY_S, LIGHT_MAX_S = 180.0, 1080.0
 
 
