@@ -179,7 +179,7 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
             sys.executable, "-m", "serve.cli", "bench", "profile", "-m", SERVED, "--endpoint-type", "chat", "-u", fe,
             "--input-file", str(d / "trace.jsonl"), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
             "--streaming", "--extra-inputs", "ignore_eos:true", "--ui-type", "none", "--artifact-dir", str(d / "load"),
-            "--request-timeout-seconds", "300"], stdout=(d / "load.log").open("w"), stderr=subprocess.STDOUT)
+            "--request-timeout-seconds", str(300 * SLOWDOWN)], stdout=(d / "load.log").open("w"), stderr=subprocess.STDOUT)
         if s.kill_decode_share_at:
             at, share = s.kill_decode_share_at
             t0 = time.monotonic()
