@@ -114,8 +114,17 @@ def test_a_worker_error_is_a_502_envelope_and_midstream_an_error_event(model_dir
     assert streamed.text.rstrip().endswith("data: [DONE]")
 
 
+def test_a_draining_worker_s_refusal_with_no_other_worker_is_a_503(model_dir):
+    """A 503 from the only worker (draining) reached no engine: the frontend tries the others,
+    finds none, and answers 503 with Retry-After (no longer a 502: the request did not fail in
+    a worker, there was no worker to take it)."""
+    w = Workers()
+    w.add("http://a:1", gen=lambda req: httpx.Response(503, json={"error": "worker is draining"}))
+    r = run(model_dir, w, lambda fe, client: chat(client))
+    assert r.status_code == 503 and int(r.headers["retry-after"]) > 0, r.text
+
+
 @pytest.mark.parametrize("answer", [
-    httpx.Response(503, json={"error": "worker is draining"}),
     httpx.Response(200, content=b'{"token_ids": [1]}\n'),  # closes before finishing
     httpx.Response(200, content=b"this is not json\n"),
 ])
