@@ -38,7 +38,7 @@ class UpSettings:
         u.add_argument("--advertise-host", default=None, help="host others should dial (default: --host)")
         u.add_argument("--engine", choices=["vllm", "sim"], default="vllm",
                        help="vllm: real engines, one process each; sim: simulated workers (serve.sim), one process "
-                            "per role with all of that role's workers (default: vllm)")
+                            "per role with all of that role's workers (one per worker under --autoscale) (default: vllm)")
         u.add_argument("--sim-step-model", default=None, metavar="MODEL",
                        help="--engine sim: every simulated worker's step model, e.g. constant:0.02 (default: the "
                             "simulated worker's)")
