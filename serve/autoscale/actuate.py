@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -43,6 +44,22 @@ class Action:
     def to_dict(self) -> dict[str, Any]:
         return {"t": round(self.t, 3), "pool": self.pool, "kind": self.kind, "target": self.target,
                 "detail": self.detail}
+
+
+class ActionLog:
+    """What an actuator did: the last `keep` Actions, each logged and told to `on_action`."""
+
+    def __init__(self, keep: int = 200) -> None:
+        self.actions: deque[Action] = deque(maxlen=keep)
+        self.on_action: Callable[[Action], None] | None = None
+
+    def _record(self, action: Action) -> Action:
+        self.actions.append(action)
+        if self.on_action is not None:
+            self.on_action(action)
+        log.info("actuator: %s %s %s%s", action.kind, action.pool, action.target,
+                 f": {action.detail}" if action.detail else "")
+        return action
 
 
 class Actuator(Protocol):

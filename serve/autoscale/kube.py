@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -28,7 +26,7 @@ import httpx
 
 from serve import protocol as p
 from serve.auth import token_headers
-from serve.autoscale.actuate import Action, Background, drain, now, pick_to_retire
+from serve.autoscale.actuate import Action, ActionLog, Background, drain, now, pick_to_retire
 from serve.autoscale.errors import AutoscaleError
 
 log = logging.getLogger("pdserve.autoscale")
@@ -55,7 +53,7 @@ def load_apis(kubeconfig: str | None = None) -> tuple[Any, Any]:
     return client.AppsV1Api(), client.CoreV1Api()
 
 
-class KubernetesActuator:
+class KubernetesActuator(ActionLog):
     name = "kubernetes"
 
     def __init__(self, apps: Any, core: Any, namespace: str, deployments: dict[str, str],
@@ -66,18 +64,8 @@ class KubernetesActuator:
         self.retiring: dict[str, set[str]] = {pool: set() for pool in deployments}
         self.lock = asyncio.Lock()  # one read-modify-write of a Deployment's replicas at a time
         self.background = Background()
-        self.actions: deque[Action] = deque(maxlen=keep)
+        ActionLog.__init__(self, keep)
         self.closed = False
-
-    on_action: Callable[[Action], None] | None = None
-
-    def _record(self, action: Action) -> Action:
-        self.actions.append(action)
-        if self.on_action is not None:
-            self.on_action(action)
-        log.info("actuator: %s %s %s%s", action.kind, action.pool, action.target,
-                 f": {action.detail}" if action.detail else "")
-        return action
 
     async def _replicas(self, pool: str) -> tuple[int, str]:
         scale = await asyncio.to_thread(self.apps.read_namespaced_deployment_scale, self.deployments[pool],

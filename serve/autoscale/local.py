@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import httpx
 
 from serve import protocol as p
 from serve.auth import token_headers
-from serve.autoscale.actuate import Action, Background, drain, now, pick_to_retire
+from serve.autoscale.actuate import Action, ActionLog, Background, drain, now, pick_to_retire
 
 log = logging.getLogger("pdserve.autoscale")
 
@@ -37,7 +35,7 @@ class Spawner(Protocol):
         ...
 
 
-class LocalActuator:
+class LocalActuator(ActionLog):
     name = "local"
 
     def __init__(self, spawner: Spawner, workers: dict[str, tuple[str, Any]] | None = None,
@@ -50,18 +48,8 @@ class LocalActuator:
         self.retiring: set[str] = set()
         self.drain_timeout_s, self.start_timeout_s = drain_timeout_s, start_timeout_s
         self.background = Background()
-        self.actions: deque[Action] = deque(maxlen=keep)
+        ActionLog.__init__(self, keep)
         self.closed = False
-
-    on_action: Callable[[Action], None] | None = None
-
-    def _record(self, action: Action) -> Action:
-        self.actions.append(action)
-        if self.on_action is not None:
-            self.on_action(action)
-        log.info("actuator: %s %s %s%s", action.kind, action.pool, action.target,
-                 f": {action.detail}" if action.detail else "")
-        return action
 
     async def starting(self, http: httpx.AsyncClient, rows: list[p.WorkerRow] | None = None) -> dict[str, int]:
         """Workers launched and not serving yet, per pool. With `rows` (the frontend's view), a
