@@ -11,7 +11,6 @@ request is dropped; a worker still starting is stopped without a drain (it serve
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any, Protocol
 
 import httpx
@@ -20,7 +19,6 @@ from serve import protocol as p
 from serve.auth import token_headers
 from serve.autoscale.actuate import Action, ActionLog, Background, drain, now, pick_to_retire
 
-log = logging.getLogger("pdserve.autoscale")
 
 
 class Spawner(Protocol):
