@@ -30,11 +30,15 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                     "With --e2e: the same prompts through pdserve's connector and vLLM's NixlConnector in bf16 "
                     "and fp8 (writes bench_kv_e2e.json).")
     kv.add_argument("--e2e", action="store_true", help="end-to-end comparison with real engines (needs vLLM)")
+    kv.add_argument("--gpu", nargs="*", metavar="CASE", default=None,
+                    help="NIXL between GPU and host memory, no vLLM (cases: vram-vram vram-dram dram-vram dram-dram; "
+                         "default: the first three); writes bench_kv_gpu.json")
     kv.add_argument("--out", default="artifacts/bench_kv", help="output folder (default: artifacts/bench_kv)")
     kv.add_argument("--total-mib", type=int, default=256, help="MiB moved per micro case (default: 256)")
     kv.add_argument("--transports", nargs="+", default=["shm", "tcp"], choices=["shm", "tcp", "rdma"],
                     help="UCX profiles for the micro benchmark (default: shm tcp)")
-    kv.add_argument("--repeats", type=int, default=1, help="--e2e: passes over the prompt set (default: 1)")
+    kv.add_argument("--repeats", type=int, default=None,
+                    help="--e2e: passes over the prompt set (default: 1); --gpu: passes per case (default: 5)")
     kv.add_argument("--impls", nargs="+", default=["pdserve", "nixl"], choices=["pdserve", "nixl"],
                     help="--e2e: connectors to run (default: pdserve nixl)")
     kv.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
@@ -156,10 +160,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         from bench.perf.ttft_agreement import run as run_ttft_agreement
 
         return run_ttft_agreement(args)
+    if args.gpu is not None:
+        from bench.perf.kv.gpu import run as run_gpu
+
+        res = run_gpu(args.out, args.total_mib, args.gpu or ["vram-vram", "vram-dram", "dram-vram"], args.repeats or 5)
+        return 0 if res["cases"] else 1
     if args.e2e:
         from bench.perf.kv.e2e import run as run_e2e
 
-        run_e2e(args.out, args.repeats, tuple(args.impls), tuple(args.kinds))
+        run_e2e(args.out, args.repeats or 1, tuple(args.impls), tuple(args.kinds))
     else:
         from bench.perf.kv.micro import run as run_micro
 
