@@ -24,11 +24,12 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     b.set_defaults(run=run)
     bsub = b.add_subparsers(dest="bench_command", metavar="BENCH")
     kv = bsub.add_parser(
-        "kv", help="KV transfer paths: NIXL READ/WRITE vs memcpy; --e2e: pdserve connector vs vLLM NixlConnector",
+        "kv", help="KV transfer paths: NIXL READ/WRITE vs memcpy; --e2e: pdserve push vs pull vs vLLM NixlConnector; "
+              "--gpu: NIXL with GPU memory",
         description="Without options: the micro benchmark (two processes, NIXL READ and WRITE over block sizes "
                     "16 KiB to 2 MiB and each transport that works here, against memcpy; writes bench_kv.json). "
-                    "With --e2e: the same prompts through pdserve's connector and vLLM's NixlConnector in bf16 "
-                    "and fp8 (writes bench_kv_e2e.json).")
+                    "With --e2e: the same prompt lengths through pdserve's connector in push and pull mode and "
+                    "vLLM's NixlConnector in bf16 and fp8, 5 repeats each (writes bench_kv_e2e.json).")
     kv.add_argument("--e2e", action="store_true", help="end-to-end comparison with real engines (needs vLLM)")
     kv.add_argument("--gpu", nargs="*", metavar="CASE", default=None,
                     help="NIXL between GPU and host memory, no vLLM (cases: vram-vram vram-dram dram-vram dram-dram; "
@@ -38,9 +39,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     kv.add_argument("--transports", nargs="+", default=["shm", "tcp"], choices=["shm", "tcp", "rdma"],
                     help="UCX profiles for the micro benchmark (default: shm tcp)")
     kv.add_argument("--repeats", type=int, default=None,
-                    help="--e2e: passes over the prompt set (default: 1); --gpu: passes per case (default: 5)")
-    kv.add_argument("--impls", nargs="+", default=["pdserve", "nixl"], choices=["pdserve", "nixl"],
-                    help="--e2e: connectors to run (default: pdserve nixl)")
+                    help="--e2e: passes over the prompt set (default: 5); --gpu: passes per case (default: 5)")
+    kv.add_argument("--impls", nargs="+", default=["push", "pull", "nixl"], choices=["push", "pull", "pdserve", "nixl"],
+                    help="--e2e: what to run: push, pull (pdserve's connector in that mode, one pair of engines, "
+                         "requests alternating), pdserve (the same, the worker's own mode), nixl (vLLM's "
+                         "NixlConnector) (default: push pull nixl)")
     kv.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                     help="--e2e: KV dtypes to run (default: bf16 fp8)")
     _add_tool_parsers(bsub)
@@ -168,7 +171,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.e2e:
         from bench.perf.kv.e2e import run as run_e2e
 
-        run_e2e(args.out, args.repeats or 1, tuple(args.impls), tuple(args.kinds))
+        run_e2e(args.out, args.repeats or 5, tuple(args.impls), tuple(args.kinds))
     else:
         from bench.perf.kv.micro import run as run_micro
 

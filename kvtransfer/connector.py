@@ -6,7 +6,7 @@ Settings come from `kv_connector_extra_config`, read once into a typed
 `kvtransfer.protocol.ConnectorSettings` (its fields and defaults are listed there):
     engine_id, side_channel_host, side_channel_port (required), side_channel_bind_all,
     lease_seconds, read_timeout_s, handshake_timeout_s, transport (rdma|shm|tcp|auto),
-    fault_pause_s (tests)
+    transfer_mode (push|pull|auto), fault_pause_s (tests)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
 from kvtransfer import transport
-from kvtransfer.protocol import ConnectorSettings
+from kvtransfer.protocol import ConnectorSettings, resolve_transfer_mode
 from kvtransfer.scheduler import PdConnectorMetadata, PdScheduler
 from kvtransfer.stats import PdKVStats
 from kvtransfer.worker import PdWorker, WorkerConfig, default_engine_id
@@ -48,13 +48,15 @@ class PdConnector(KVConnectorBase_V1):
             mc = vllm_config.model_config
             dtype = str(mc.dtype).removeprefix("torch.")
             kv_dtype = str(vllm_config.cache_config.cache_dtype)
+            transport_name = transport.resolve(settings.transport)
             cfg = WorkerConfig(
                 engine_id=self.engine_id, bind_endpoint=bind, advertise_endpoint=advertise,
                 lease_seconds=settings.lease_seconds, read_timeout_s=settings.read_timeout_s,
                 handshake_timeout_s=settings.handshake_timeout_s,
-                transport=transport.resolve(settings.transport), model=str(mc.served_model_name or mc.model),
+                transport=transport_name, model=str(mc.served_model_name or mc.model),
                 dtype=dtype, kv_cache_dtype=dtype if kv_dtype == "auto" else kv_dtype, block_size=block_size,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                transfer_mode=resolve_transfer_mode(settings.transfer_mode, transport_name),
                 fault_pause_s=settings.fault_pause_s,
             )
             num_blocks = kv_cache_config.num_blocks if kv_cache_config is not None else 0

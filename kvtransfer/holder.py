@@ -1,12 +1,14 @@
 """Prefill side of the worker (holder): the lease table behind the side channel, and the
-thread that keeps NIXL progressing while a reader reads.
+thread that keeps NIXL progressing while a reader reads or a push writes.
 
-The side channel's `Acquire` and `Release` go straight to the `LeaseTable`. Between an
-acquire and its release (or expiry) a small thread calls into NIXL every
-HOLDER_PROGRESS_S: with NIXL's progress thread off, a READ over a software transport
-completes only while the holder calls in, and an idle holder engine takes no steps. The
-thread also sweeps expired leases, so a reader that died mid-read does not keep it
-polling until the engine's next step; with no read in flight it sleeps.
+The side channel's `Acquire` and `Release` go straight to the `LeaseTable`; `Push` (and the
+decode engine's metadata from its handshake) to the `Pusher`, which WRITEs held blocks into
+the decode engine's. Between an acquire and its release (or expiry), and while a WRITE is in
+flight, a small thread calls into NIXL every HOLDER_PROGRESS_S: with NIXL's progress thread
+off, a READ over a software transport completes only while the holder calls in, and an idle
+holder engine takes no steps. The thread polls the WRITEs (each finished one frees its
+lease; a late or failed one is cancelled) before it sweeps expired leases, so a reader that
+died mid-read does not keep it polling until the engine's next step; idle, it sleeps.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from collections.abc import Callable
 
 from kvtransfer.leases import LeaseTable
 from kvtransfer.nixl_agent import NixlAgent
-from kvtransfer.protocol import Acquire, EngineMetadata, Release, Reply
+from kvtransfer.protocol import Acquire, EngineMetadata, Push, Release, Reply
+from kvtransfer.pusher import Pusher
 from kvtransfer.side_channel import SideChannelServer, unpin_thread
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
@@ -30,6 +33,9 @@ IDLE_WAKE_S = 1.0  # with no read in flight, sweep leases at least this often
 class Holder:
     def __init__(self, leases: LeaseTable) -> None:
         self.leases = leases
+        self.pusher = Pusher(leases, clock=leases.clock)
+        self.agent: NixlAgent | None = None
+        self._metadata: Callable[[], EngineMetadata | None] = lambda: None
         self.server: SideChannelServer | None = None
         self._wake = threading.Event()
         self._stopping = False
@@ -39,9 +45,10 @@ class Holder:
               token: str | None) -> str:
         """Serve the side channel and start the progress thread (once, at KV registration);
         the endpoint the side channel bound."""
-        self.server = SideChannelServer(bind_endpoint, metadata, self.on_acquire, self.on_release, token=token)
-        self._thread = threading.Thread(target=self._progress, args=(agent,), name="pdserve-kv-holder-progress",
-                                        daemon=True)
+        self.agent, self._metadata = agent, metadata
+        self.server = SideChannelServer(bind_endpoint, metadata, self.on_acquire, self.on_release, token=token,
+                                        on_hello=self.pusher.peer, on_push=self.on_push)
+        self._thread = threading.Thread(target=self._progress, name="pdserve-kv-holder-progress", daemon=True)
         self._thread.start()
         return self.server.endpoint
 
@@ -61,14 +68,33 @@ class Holder:
         return reply
 
     def on_release(self, msg: Release) -> Reply:
+        if self.agent is not None:
+            self.pusher.cancel(self.agent, msg.request_id)  # a WRITE in flight stops before the answer
         self.leases.release(msg.request_id)
         return Reply("ok")
 
-    def _progress(self, agent: NixlAgent) -> None:
+    def on_push(self, msg: Push) -> Reply:
+        own = self._metadata()
+        if self.agent is None or own is None:
+            return Reply("pending", "KV caches not registered yet")
+        reply = self.pusher.start(self.agent, own, msg)
+        if reply.status == "ok":
+            self._wake.set()
+        return reply
+
+    def _progress(self) -> None:
         unpin_thread()  # never compete with the engine thread for its core
         while not self._stopping:
+            agent = self.agent
+            assert agent is not None
+            try:
+                self.pusher.poll(agent)
+            except Exception:  # the agent is going away with the engine
+                if self._stopping:
+                    return
+                log.exception("kvtransfer: holder push poll failed")
             self.leases.sweep()
-            if not self.leases.reading():
+            if not self.leases.reading() and not self.pusher.busy():
                 self._wake.wait(timeout=IDLE_WAKE_S)
                 self._wake.clear()
                 continue

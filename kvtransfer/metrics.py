@@ -18,7 +18,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from kvtransfer.errors import SettingsError
 
 COUNTERS = ("reads", "blocks_read", "bytes_read", "failures", "lease_expiries", "recomputes",
-            "releases_sent", "blocks_released", "requests_held")
+            "releases_sent", "blocks_released", "requests_held", "pushes", "blocks_pushed", "bytes_pushed",
+            "push_failures")
 
 
 class KvStats(msgspec.Struct, kw_only=True):
@@ -26,7 +27,7 @@ class KvStats(msgspec.Struct, kw_only=True):
     during a step (vLLM's own stats objects work the same way); `aggregate` returns a new
     one and leaves both inputs alone."""
 
-    reads: int = 0  # completed READs (one per request)
+    reads: int = 0  # completed loads into this engine, READ (pull) or WRITE received (push); one per request
     blocks_read: int = 0
     bytes_read: int = 0
     failures: int = 0  # loads that failed (each also a recompute)
@@ -35,6 +36,10 @@ class KvStats(msgspec.Struct, kw_only=True):
     releases_sent: int = 0  # releases this reader sent to holders
     blocks_released: int = 0  # held blocks released by their reader
     requests_held: int = 0  # requests whose blocks were held for a remote decode
+    pushes: int = 0  # holder side, push mode: WRITEs into a decode engine that completed
+    blocks_pushed: int = 0
+    bytes_pushed: int = 0
+    push_failures: int = 0  # holder side: WRITEs that failed or ran out of time (the decode recomputes)
     read_seconds: list[float] = []  # one entry per completed READ
     read_bytes: list[int] = []  # bytes of that READ (for GB/s)
     held_blocks: int | None = None  # gauge: blocks held for remote decodes right now (None: not reported)
@@ -82,10 +87,12 @@ class KvMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = self.registry = registry
         self.held_blocks_now = 0  # KV blocks a prefill worker holds for remote decodes (last report)
-        self.kv_reads = Counter("pdserve_kv_reads", "Completed KV READs (one per request)", registry=r)
+        self.kv_reads = Counter("pdserve_kv_reads", "Completed KV loads into this engine: READs (pull) or WRITEs "
+                                "received (push); one per request", registry=r)
         self.kv_blocks = Counter("pdserve_kv_blocks_transferred", "KV blocks read from prefill engines", registry=r)
         self.kv_bytes = Counter("pdserve_kv_bytes_transferred", "KV bytes read from prefill engines", registry=r)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_duration_seconds", "Duration of one request's KV READ",
+        self.kv_seconds = Histogram("pdserve_kv_transfer_duration_seconds", "Duration of one request's KV load: its READ (pull), or from the "
+                                      "holder's acceptance to its notification (push)",
                                     buckets=TRANSFER_BUCKETS, registry=r)
         self.kv_gbps = Gauge("pdserve_kv_transfer_gbps", "Achieved GB/s of the last KV READs", registry=r)
         self.kv_failures = Counter("pdserve_kv_transfer_failures", "KV loads that failed", registry=r)
@@ -101,6 +108,12 @@ class KvMetrics:
             "new token; the last prompt token each with --first-token-from decode; whole prompts after a failed "
             "load)", registry=r)
         self.kv_held_blocks = Gauge("pdserve_kv_held_blocks", "Blocks held for remote decodes now", registry=r)
+        self.kv_pushes = Counter("pdserve_kv_pushes", "KV WRITEs into decode engines that completed (push mode)",
+                                 registry=r)
+        self.kv_bytes_pushed = Counter("pdserve_kv_bytes_pushed", "KV bytes written into decode engines (push mode)",
+                                       registry=r)
+        self.kv_push_failures = Counter("pdserve_kv_push_failures",
+                                        "KV WRITEs into decode engines that failed or timed out (push mode)", registry=r)
 
     def observe(self, stats: KvStats | dict[str, Any]) -> None:
         """Fold one stats report (a KvStats, or the dict vLLM hands stat loggers) into the metrics."""
@@ -117,6 +130,9 @@ class KvMetrics:
         self.kv_recomputes.inc(s.recomputes)
         self.kv_held_requests.inc(s.requests_held)
         self.kv_released.inc(s.blocks_released)
+        self.kv_pushes.inc(s.pushes)
+        self.kv_bytes_pushed.inc(s.bytes_pushed)
+        self.kv_push_failures.inc(s.push_failures)
         if s.held_blocks is not None:
             self.kv_held_blocks.set(s.held_blocks)
             self.held_blocks_now = int(s.held_blocks)

@@ -1,15 +1,19 @@
-"""One engine's NIXL agent: its KV memory registered, peers' agents added and removed, and
-one-sided READs posted and polled. The only module besides transport.py that touches
-NIXL's API; it knows nothing of leases, requests or the side channel.
+"""One engine's NIXL agent: its KV memory registered, peers' agents added and removed,
+READs (pull) and notifying WRITEs (push) posted and polled, notifications collected. The
+only module besides transport.py that touches NIXL's API; it knows nothing of leases,
+requests or the side channel.
 
 NIXL's own progress thread stays off (it halved throughput on 2 cores), so transfers
-advance only while someone calls in: the reader polls its READs, and the holder calls
-`progress()`. Those calls come from two threads (the engine thread and the holder's
-progress thread), hence NIXL's STRICT thread-sync mode.
+advance only while someone calls in: the reader polls its READs, the holder polls its
+WRITEs and calls `progress()`, the engine calls `progress()` each step. Those calls come
+from three threads (engine, holder progress, side channel), hence NIXL's STRICT
+thread-sync mode. Every call that fetches notifications keeps them in one inbox
+(`take_notifs`), so a notification is never lost to whichever thread happened to fetch it.
 """
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
@@ -35,14 +39,31 @@ class NixlAgent:
         self._agent.create_backend("UCX", {"ucx_error_handling_mode": mode})
         self.spans = layout.spans()
         self._agent.register_memory([(a, n, layout.device_id, "") for a, n in self.spans], layout.device)
+        self._inbox: list[bytes] = []
+        self._inbox_lock = threading.Lock()
 
     def metadata(self) -> bytes:
         """What a peer needs to add this agent (sent in the handshake)."""
         return self._agent.get_agent_metadata()
 
     def progress(self) -> None:
-        """Call into NIXL so that peers' READs of this engine's memory advance."""
-        self._agent.get_new_notifs()
+        """Call into NIXL so that peers' transfers with this engine's memory advance; keeps
+        the notifications that arrive."""
+        notifs = self._agent.get_new_notifs()
+        if notifs:
+            with self._inbox_lock:
+                for msgs in notifs.values():
+                    self._inbox.extend(msgs)
+
+    def take_notifs(self) -> list[bytes]:
+        """The notifications received since the last call (after one progress call)."""
+        self.progress()
+        with self._inbox_lock:
+            out, self._inbox = self._inbox, []
+        return out
+
+    def send_notif(self, remote_agent: str, msg: bytes) -> None:
+        self._agent.send_notif(remote_agent, msg)
 
     def add_remote(self, agent_metadata: bytes) -> str:
         name = self._agent.add_remote_agent(agent_metadata)
@@ -55,15 +76,27 @@ class NixlAgent:
                   remote: Sequence[tuple[int, int]]) -> tuple[Any, XferState]:
         """Post one READ of the remote (addr, len) spans into the local ones; the handle and
         its first state (a small READ may be done already)."""
+        return self._post("READ", remote_agent, remote_layout, local, remote, b"")
+
+    def post_write(self, remote_agent: str, remote_layout: KVLayout, local: Sequence[tuple[int, int]],
+                   remote: Sequence[tuple[int, int]], notif: bytes) -> tuple[Any, XferState]:
+        """Post one WRITE of the local (addr, len) spans into the remote ones; the remote
+        agent receives `notif` once every byte has landed."""
+        return self._post("WRITE", remote_agent, remote_layout, local, remote, notif)
+
+    def _post(self, op: str, remote_agent: str, remote_layout: KVLayout, local: Sequence[tuple[int, int]],
+              remote: Sequence[tuple[int, int]], notif: bytes) -> tuple[Any, XferState]:
         ldesc = self._agent.get_xfer_descs(
             np.array([(a, n, self.layout.device_id) for a, n in local], dtype=np.uint64), self.layout.device)
         rdesc = self._agent.get_xfer_descs(
             np.array([(a, n, remote_layout.device_id) for a, n in remote], dtype=np.uint64), remote_layout.device)
-        handle = self._agent.initialize_xfer("READ", ldesc, rdesc, remote_agent, b"")
+        handle = self._agent.initialize_xfer(op, ldesc, rdesc, remote_agent, notif)
         return handle, self._agent.transfer(handle)
 
     def check(self, handle: Any) -> XferState:
         return self._agent.check_xfer_state(handle)
 
     def release(self, handle: Any) -> None:
+        """Free a transfer's handle; one still in flight is cancelled first (NIXL raises, and
+        keeps the handle, when it cannot cancel it)."""
         self._agent.release_xfer_handle(handle)

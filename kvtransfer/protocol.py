@@ -25,6 +25,39 @@ from kvtransfer.layout import KVLayout, shape_signature
 PROTOCOL_VERSION = 1
 PARAMS_KEY = "pdserve_kv"
 
+# How a pair moves a request's blocks. pull: the decode engine READs the holder's blocks
+# (one-sided on RDMA). push: the decode engine sends where its blocks are (`Push`), the holder
+# WRITEs them and notifies. Additive to protocol version 1: a holder lists the modes it serves
+# in `EngineMetadata.transfer_modes` (older holders send none: pull only).
+TransferMode = Literal["pull", "push"]
+TRANSFER_MODES = ("pull", "push")
+
+
+def resolve_transfer_mode(mode: str, transport: str) -> TransferMode:
+    """`auto` is pull on RDMA (a one-sided READ needs nothing from the holder) and push on
+    every other transport (there a READ is served by the holder's progress: measured slower,
+    README "KV transfer modes"); `pull`/`push` are taken as given."""
+    if mode == "auto":
+        return "pull" if transport == "rdma" else "push"
+    if mode not in TRANSFER_MODES:
+        raise SettingsError(f"unknown KV transfer mode {mode!r}; choose push, pull or auto")
+    return mode  # type: ignore[return-value]
+
+
+def pair_mode(wanted: str, holder_modes: tuple[str, ...]) -> TransferMode:
+    """The mode a decode engine that wants `wanted` uses with a holder serving `holder_modes`:
+    push only when both can, else pull (every holder serves pull)."""
+    return "push" if wanted == "push" and "push" in holder_modes else "pull"
+
+
+def notif_tag(request_id: str) -> bytes:
+    """The NIXL notification a holder sends with a pushed request's WRITE (and alone, with
+    FAILED_SUFFIX appended, when the push failed)."""
+    return f"pdserve-kv:{request_id}".encode()
+
+
+FAILED_SUFFIX = b":failed"
+
 
 class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
     protocol_version: int
@@ -38,6 +71,7 @@ class EngineMetadata(msgspec.Struct, frozen=True, kw_only=True):
     agent_name: str
     agent_metadata: bytes
     side_channel: str
+    transfer_modes: tuple[str, ...] = ("pull",)  # what this engine serves as a holder (not compared)
 
     def compat_fields(self) -> dict[str, Any]:
         return {
@@ -95,6 +129,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     protocol_version: int
     engine_id: str
     auth: str = ""  # engine_auth(): only engines holding the cluster token get an answer
+    metadata: EngineMetadata | None = None  # the decode engine's own, so a holder can push to it
 
 
 class Acquire(msgspec.Struct, frozen=True, tag="acquire"):
@@ -106,10 +141,26 @@ class Acquire(msgspec.Struct, frozen=True, tag="acquire"):
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
-    """Decode side is done (read complete, failed, or not needed): free the blocks."""
+    """Decode side is done (read complete, failed, or not needed): free the blocks. In push
+    mode the reply also means the holder's WRITE into the decode's blocks is over (done or
+    cancelled): after it, nothing more lands there."""
 
     request_id: str
     engine_id: str
+    auth: str = ""
+
+
+class Push(msgspec.Struct, frozen=True, tag="push"):
+    """Decode side (push mode) has allocated `block_ids` and asks the holder to WRITE its
+    `holder_block_ids` there, then notify (`notif_tag`). Answered "ok" once the WRITE is
+    posted, or "pending"/"gone"/"error" as an acquire. The holder gives up on the WRITE
+    `budget_s` after receiving this, less a margin: before the decode side's own deadline."""
+
+    request_id: str
+    engine_id: str
+    block_ids: list[int]
+    holder_block_ids: list[int]
+    budget_s: float
     auth: str = ""
 
 
@@ -119,7 +170,7 @@ class Reply(msgspec.Struct, frozen=True, tag="reply"):
     metadata: EngineMetadata | None = None
 
 
-Message = Hello | Acquire | Release | Reply
+Message = Hello | Acquire | Release | Push | Reply
 
 
 # -- kv_transfer_params ---------------------------------------------------------------
@@ -149,6 +200,17 @@ def wants_remote_decode(params: dict[str, Any] | None) -> bool:
                 and params[PARAMS_KEY].get("do_remote_decode"))
 
 
+def requested_mode(params: dict[str, Any] | None) -> str | None:
+    """A decode request's own transfer mode (`{"pdserve_kv": {..., "mode": "push"|"pull"}}`),
+    overriding its engine's for this request (benchmarks compare modes on one pair); None
+    when absent. An unknown mode raises SettingsError."""
+    inner = params.get(PARAMS_KEY) if params else None
+    mode = inner.get("mode") if isinstance(inner, dict) else None
+    if mode is not None and mode not in TRANSFER_MODES:
+        raise SettingsError(f"kv_transfer_params.{PARAMS_KEY}.mode {mode!r}: choose push or pull")
+    return mode
+
+
 def from_vllm_params(params: dict[str, Any] | None) -> TransferParams | None:
     """The remote prefill a decode request should read, or None (plain request)."""
     if not params or not isinstance(params.get(PARAMS_KEY), dict):
@@ -168,6 +230,7 @@ class LoadSpec:
     remote: TransferParams
     local_block_ids: list[int]
     remote_block_ids: list[int]
+    mode: str | None = None  # this request's own transfer mode (requested_mode); None: the engine's
 
 
 # -- kv_connector_extra_config -------------------------------------------------------------
@@ -186,11 +249,13 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     read_timeout_s: float = 30.0  # a READ not done this long after its acquire fails (recompute)
     handshake_timeout_s: float = 5.0  # each side-channel call, and the wait for a pending hold
     transport: str = "auto"  # rdma | shm | tcp | auto (kvtransfer.transport)
+    transfer_mode: str = "auto"  # push | pull | auto (resolve_transfer_mode): how this engine reads as decode
     fault_pause_s: float = 0.0  # test-only: pause before each READ's acquire (never set in production)
 
     # Written only when set away from their default, so the config pdserve hands vLLM (and
     # vLLM logs) carries the same keys as before these settings were typed.
-    _ONLY_IF_SET = ("side_channel_bind_all", "read_timeout_s", "handshake_timeout_s", "fault_pause_s")
+    _ONLY_IF_SET = ("side_channel_bind_all", "read_timeout_s", "handshake_timeout_s", "transfer_mode",
+                    "fault_pause_s")
 
     def side_channel_endpoints(self) -> tuple[str, str]:
         """(bind, advertise) endpoints of this engine's side channel."""

@@ -1,13 +1,24 @@
-"""Decode side of the worker (reader): reads a remote prefill's blocks into local blocks.
+"""Decode side of the worker (reader): brings a remote prefill's blocks into local blocks.
 
 For each planned load, an io thread handshakes with the holder (cached per engine, redone
-when it restarts), checks compatibility and acquires the request's blocks; then the engine
-thread posts one NIXL READ with merged descriptors (NIXL calls stay on that thread) and
-polls it each step. A finished READ releases the holder. A holder that answers "gone"
-(lease expired), an incompatible or unreachable holder, or a READ that fails or times out
-makes the request fail its load: vLLM recomputes the prompt locally (policy `recompute`),
-counted in `recomputes`; freed memory is never read. A READ's deadline counts from before
-its acquire, and one seen done past it is discarded (the holder's pin outlasts it).
+when it restarts; the handshake carries this engine's metadata, for pushes), checks
+compatibility, then:
+
+- pull: acquires the request's blocks; the engine thread posts one NIXL READ with merged
+  descriptors (NIXL calls stay on that thread) and polls it each step. A finished READ
+  releases the holder.
+- push: sends `Push` (where the request's local blocks are); the holder WRITEs them and
+  NIXL delivers its notification (`notif_tag`) once the bytes have landed; the engine
+  thread watches for it each step. The holder frees its blocks itself after the WRITE.
+
+A load uses push when its request (LoadSpec.mode) or else this engine wants it and the
+holder serves it (`pair_mode`), else pull. A holder that answers "gone" (lease expired), an incompatible or unreachable holder,
+or a transfer that fails or times out makes the request fail its load: vLLM recomputes the
+prompt locally (policy `recompute`), counted in `recomputes`; freed memory is never read.
+A load's deadline counts from before its acquire (or push); a READ seen done past it is
+discarded (the holder's pin outlasts it); a push past it is released, and only once the
+holder has answered (its WRITE cancelled: nothing lands later) or cannot be reached is the
+load failed and the blocks handed back to vLLM.
 """
 
 from __future__ import annotations
@@ -26,7 +37,8 @@ from kvtransfer.layout import merge_descriptors
 from kvtransfer.metrics import KvStats
 from kvtransfer.nixl_agent import NixlAgent
 from kvtransfer.protocol import (
-    PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, LoadSpec, Release, TransferParams, check_compatible, engine_auth,
+    FAILED_SUFFIX, PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, LoadSpec, Push, Release, TransferParams,
+    check_compatible, engine_auth, notif_tag, pair_mode,
 )
 from kvtransfer.side_channel import SideChannelClient, unpin_thread
 
@@ -49,12 +61,23 @@ class Read:
 
 
 @dataclass
+class Pushed:
+    """A push the holder accepted: waiting for its notification."""
+
+    spec: LoadSpec
+    nbytes: int
+    started: float  # when the holder answered that its WRITE is posted
+    deadline: float
+
+
+@dataclass
 class Peer:
     """A holder engine this reader has shaken hands with. `agent_name` is set by the engine
     thread once the NIXL agent is added (NIXL calls stay on that thread)."""
 
     metadata: EngineMetadata
     client: SideChannelClient
+    mode: str = "pull"  # how this pair moves blocks (pair_mode)
     lock: threading.Lock = field(default_factory=threading.Lock)  # REQ sockets are not thread-safe
     agent_name: str | None = None
 
@@ -69,8 +92,10 @@ class Preparing:
 class Reader:
     def __init__(self, engine_id: str, read_timeout_s: float, handshake_timeout_s: float,
                  fault_pause_s: float = 0.0, token: str | None = None,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 mode: str = "pull") -> None:
         self.engine_id = engine_id
+        self.mode = mode  # wanted: "push" or "pull" (resolved); each pair may fall back to pull
         self.read_timeout_s = read_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.fault_pause_s = fault_pause_s
@@ -87,6 +112,8 @@ class Reader:
         self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-kv-io", initializer=unpin_thread)
         self._preparing: dict[str, Preparing] = {}
         self._reads: dict[str, Read] = {}
+        self._pushes: dict[bytes, Pushed] = {}  # by notif_tag of the holder's request id
+        self._cancels: dict[str, tuple[LoadSpec, Future, str]] = {}  # late pushes being released
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._releases_sent = 0  # counted on io threads, folded into stats per step
@@ -126,6 +153,8 @@ class Reader:
                     pass
         self.start_prepared()
         self._poll_reads(self.agent)
+        if self._pushes or self._cancels:
+            self._poll_pushes(self.agent)
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """Requests whose load finished since the last call (failed ones are in both sets)."""
@@ -142,8 +171,11 @@ class Reader:
                 continue
             del self._preparing[rid]
             try:
-                peer = prep.future.result()
-                self._post_read(prep.spec, peer, prep.created)
+                peer, pushed_at = prep.future.result()
+                if pushed_at is not None:
+                    self._await_push(prep.spec, pushed_at, prep.created)
+                else:
+                    self._post_read(prep.spec, peer, prep.created)
             except TransferFailed as exc:
                 self._fail(prep.spec, str(exc))
             except Exception as exc:  # never let a transfer problem take the engine down
@@ -175,6 +207,45 @@ class Reader:
         self._reads[spec.request_id] = Read(spec, handle, spec.remote.engine_id, sum(n for _, n in lspans), t0,
                                             (acquired_by or t0) + self.read_timeout_s,
                                             self.clock() if state == "DONE" else None)
+
+    def _await_push(self, spec: LoadSpec, pushed_at: float, created: float) -> None:
+        local = self.local
+        nbytes = len(spec.local_block_ids) * local.layout.bytes_per_block if local is not None else 0
+        self._pushes[notif_tag(spec.remote.request_id)] = Pushed(spec, nbytes, pushed_at,
+                                                                 created + self.read_timeout_s)
+
+    def _poll_pushes(self, agent: NixlAgent) -> None:
+        for msg in agent.take_notifs():
+            failed = msg.endswith(FAILED_SUFFIX)
+            pushed = self._pushes.pop(msg[:-len(FAILED_SUFFIX)] if failed else msg, None)
+            if pushed is None:
+                continue  # a notification for a push already given up (its release was answered)
+            if failed:
+                self._fail(pushed.spec, "the holder's WRITE failed or timed out")
+                continue
+            secs = max(self.clock() - pushed.started, 1e-9)
+            s = self.stats
+            s.reads += 1
+            s.blocks_read += len(pushed.spec.local_block_ids)
+            s.bytes_read += pushed.nbytes
+            s.read_seconds.append(secs)
+            s.read_bytes.append(pushed.nbytes)
+            self._done_recving.add(pushed.spec.request_id)
+            log.info("kvtransfer: pushed to %s: %d blocks, %d bytes in %.2f ms (%.2f GB/s)", pushed.spec.request_id,
+                     len(pushed.spec.local_block_ids), pushed.nbytes, secs * 1e3, pushed.nbytes / secs / 1e9)
+        now = self.clock()
+        for tag, pushed in list(self._pushes.items()):
+            if now >= pushed.deadline:
+                # Not failed (blocks handed back) until the holder answers the release: its WRITE is
+                # cancelled first, so nothing lands in blocks vLLM reuses.
+                del self._pushes[tag]
+                self._cancels[pushed.spec.request_id] = (pushed.spec, self._io.submit(self._release_now,
+                                                                                        pushed.spec.remote),
+                                                         "push timed out")
+        for rid, (spec, fut, why) in list(self._cancels.items()):
+            if fut.done():
+                del self._cancels[rid]
+                self._fail(spec, why)
 
     def _poll_reads(self, agent: NixlAgent) -> None:
         now = self.clock()
@@ -211,8 +282,9 @@ class Reader:
         log.warning("kvtransfer: load of %s failed (%s); recomputing locally", spec.request_id, why)
 
     # -- io threads -----------------------------------------------------------------------
-    def _prepare(self, spec: LoadSpec, queued_at: float) -> Peer:
-        """Handshake (cached per engine), compatibility, acquire; the peer to read from."""
+    def _prepare(self, spec: LoadSpec, queued_at: float) -> tuple[Peer, float | None]:
+        """Handshake (cached per engine), compatibility, then acquire (pull) or push; the peer,
+        and when the holder accepted the push (None in pull mode)."""
         began = self.clock()
         faults.pause_before_read(self.fault_pause_s, self.sleep)  # test-only: hold a transfer here
         remote = spec.remote
@@ -224,10 +296,16 @@ class Reader:
             self._release_now(remote)  # nobody can read these blocks: free them at once
             raise TransferFailed(str(exc)) from exc
         deadline = self.clock() + self.handshake_timeout_s
+        push = pair_mode(spec.mode or self.mode, peer.metadata.transfer_modes) == "push"
         while True:
+            if push:
+                msg = Push(remote.request_id, self.engine_id, list(spec.local_block_ids), list(spec.remote_block_ids),
+                           queued_at + self.read_timeout_s - self.clock(), self._auth)
+            else:
+                msg = Acquire(remote.request_id, self.engine_id, self._auth)
             try:
                 with peer.lock:
-                    reply = peer.client.call(Acquire(remote.request_id, self.engine_id, self._auth))
+                    reply = peer.client.call(msg)
             except HandshakeError as exc:  # holder unreachable: maybe restarted; handshake again next time
                 self._forget_peer(remote.engine_id)
                 raise TransferFailed(str(exc)) from exc
@@ -238,10 +316,13 @@ class Reader:
                                 "queued %.2f s before it started)", remote.request_id, took, shook - began,
                                 reply.status, began - queued_at)
             if reply.status == "ok":
-                return peer
+                return peer, (self.clock() if push else None)
             if reply.status == "pending" and self.clock() < deadline:
                 self.sleep(ACQUIRE_PENDING_RETRY_S)
                 continue
+            if push and reply.status == "error":
+                self._release_now(remote)  # the holder may still hold the blocks
+                self._forget_peer(remote.engine_id)  # and may have forgotten this engine: handshake again
             raise TransferFailed(f"holder {remote.engine_id} answered {reply.status}: {reply.message}")
 
     def _handshake(self, remote: TransferParams) -> Peer:
@@ -251,7 +332,8 @@ class Reader:
             return peer
         client = SideChannelClient(remote.side_channel, self.handshake_timeout_s)
         try:
-            reply = client.call(Hello(PROTOCOL_VERSION, self.engine_id, self._auth))
+            # This engine's metadata always goes along: any request may ask for push (LoadSpec.mode).
+            reply = client.call(Hello(PROTOCOL_VERSION, self.engine_id, self._auth, self.local))
         except HandshakeError as exc:
             client.close()
             raise TransferFailed(str(exc)) from exc
@@ -262,11 +344,11 @@ class Reader:
         if md.engine_id != remote.engine_id:
             client.close()
             raise TransferFailed(f"{remote.side_channel} is engine {md.engine_id}, not {remote.engine_id} (restarted)")
-        peer = Peer(md, client)
+        peer = Peer(md, client, pair_mode(self.mode, md.transfer_modes))
         with self._peers_lock:
             peer = self._peers.setdefault(remote.engine_id, peer)
-        log.info("kvtransfer: handshake with engine %s at %s (compat %s)", md.engine_id, remote.side_channel,
-                 md.compat_hash())
+        log.info("kvtransfer: handshake with engine %s at %s (compat %s, mode %s)", md.engine_id, remote.side_channel,
+                 md.compat_hash(), peer.mode)
         return peer
 
     def _forget_peer(self, engine_id: str) -> None:

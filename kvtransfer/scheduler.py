@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-from kvtransfer.protocol import LoadSpec, TransferParams, from_vllm_params, to_vllm_params, wants_remote_decode
+from kvtransfer.errors import SettingsError
+from kvtransfer.protocol import (LoadSpec, TransferParams, from_vllm_params, requested_mode, to_vllm_params,
+                                 wants_remote_decode)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -75,7 +77,12 @@ class PdScheduler:
             log.warning("request %s: %d local blocks but %d remote blocks; reading what matches",
                         request.request_id, len(local_ids), len(remote_ids))
             local_ids = local_ids[:len(remote_ids)]
-        self._loads.append(LoadSpec(request.request_id, remote, list(local_ids), list(remote_ids)))
+        try:
+            mode = requested_mode(request.kv_transfer_params)
+        except SettingsError as exc:
+            log.warning("request %s: %s; using the engine's mode", request.request_id, exc)
+            mode = None
+        self._loads.append(LoadSpec(request.request_id, remote, list(local_ids), list(remote_ids), mode))
 
     # -- prefill side -------------------------------------------------------------------
     def request_finished(self, request: Request, block_ids: tuple[list[int], ...] | list[int]) -> tuple[bool, dict[str, Any] | None]:

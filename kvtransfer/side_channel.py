@@ -1,7 +1,7 @@
 """The side channel: a small ZMQ request/reply service beside each engine's NIXL agent.
 
 The server thread answers `Hello` with this engine's `EngineMetadata` (the handshake),
-and `Acquire` / `Release` through callbacks into the lease table. Clients time out on
+and `Acquire` / `Release` / `Push` through callbacks into the holder. Clients time out on
 every call (`timeout_s`) and then discard their socket, so a dead peer costs one timeout,
 never a hang. The server binds to the address it is given (loopback by default). With a
 cluster token, every message must carry its HMAC for the sender's engine id: an engine
@@ -19,8 +19,8 @@ import msgspec
 import zmq
 
 from kvtransfer.errors import HandshakeError
-from kvtransfer.protocol import (PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Message, Release, Reply, authorized,
-                                 engine_auth)
+from kvtransfer.protocol import (PROTOCOL_VERSION, Acquire, EngineMetadata, Hello, Message, Push, Release, Reply,
+                                 authorized, engine_auth)
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.side_channel")
 
@@ -60,7 +60,8 @@ def unpin_thread() -> None:
 class SideChannelServer:
     def __init__(self, endpoint: str, metadata: Callable[[], EngineMetadata],
                  on_acquire: Callable[[Acquire], Reply], on_release: Callable[[Release], Reply],
-                 token: str | None = None) -> None:
+                 token: str | None = None, on_hello: Callable[[Hello], None] | None = None,
+                 on_push: Callable[[Push], Reply] | None = None) -> None:
         self.ctx = context()
         self._token = token
         self._refused: set[str] = set()
@@ -71,6 +72,8 @@ class SideChannelServer:
         self._metadata = metadata
         self._on_acquire = on_acquire
         self._on_release = on_release
+        self._on_hello = on_hello
+        self._on_push = on_push
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="pdserve-kv-side-channel", daemon=True)
         self._thread.start()
@@ -80,7 +83,7 @@ class SideChannelServer:
             msg = _decoder.decode(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return Reply("error", f"malformed message: {exc}")
-        if isinstance(msg, Hello | Acquire | Release) and not authorized(self._token, msg.engine_id, msg.auth):
+        if isinstance(msg, Hello | Acquire | Release | Push) and not authorized(self._token, msg.engine_id, msg.auth):
             if msg.engine_id not in self._refused:  # once per engine: a retrying peer does not flood the log
                 self._refused.add(msg.engine_id)
                 log.warning("kvtransfer: refused %s from unregistered engine %r (no or wrong cluster token)",
@@ -89,11 +92,17 @@ class SideChannelServer:
         if isinstance(msg, Hello):
             if msg.protocol_version != PROTOCOL_VERSION:
                 return Reply("error", f"protocol version: local {PROTOCOL_VERSION} vs remote {msg.protocol_version}")
+            if self._on_hello is not None:
+                self._on_hello(msg)
             return Reply("ok", metadata=self._metadata())
         if isinstance(msg, Acquire):
             return self._on_acquire(msg)
         if isinstance(msg, Release):
             return self._on_release(msg)
+        if isinstance(msg, Push):
+            if self._on_push is None:
+                return Reply("error", "this engine does not serve push transfers")
+            return self._on_push(msg)
         return Reply("error", f"unexpected message {type(msg).__name__}")
 
     def _serve(self) -> None:

@@ -32,7 +32,7 @@ from kvtransfer.layout import KVLayout, layout_from_tensors
 from kvtransfer.leases import LeaseTable
 from kvtransfer.metrics import KvStats
 from kvtransfer.nixl_agent import NixlAgent
-from kvtransfer.protocol import PROTOCOL_VERSION, EngineMetadata, cluster_token
+from kvtransfer.protocol import PROTOCOL_VERSION, TRANSFER_MODES, EngineMetadata, cluster_token
 from kvtransfer.reader import Reader
 from kvtransfer.scheduler import PdConnectorMetadata
 from kvtransfer.stats import PdKVStats
@@ -54,6 +54,7 @@ class WorkerConfig:
     kv_cache_dtype: str
     block_size: int
     tp_size: int
+    transfer_mode: str = "pull"  # resolved: push | pull (protocol.resolve_transfer_mode)
     fault_pause_s: float = 0.0  # test-only: pause before posting a READ (never set in production)
 
 
@@ -69,7 +70,7 @@ class PdWorker:
         self.leases = LeaseTable(cfg.read_timeout_s, clock=clock)
         self.holder = Holder(self.leases)
         self.reader = Reader(cfg.engine_id, cfg.read_timeout_s, cfg.handshake_timeout_s, cfg.fault_pause_s,
-                             token=self._token, clock=clock)
+                             token=self._token, clock=clock, mode=cfg.transfer_mode)
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -79,16 +80,16 @@ class PdWorker:
             protocol_version=PROTOCOL_VERSION, engine_id=self.cfg.engine_id, model=self.cfg.model,
             dtype=self.cfg.dtype, kv_cache_dtype=self.cfg.kv_cache_dtype, block_size=self.cfg.block_size,
             tp_size=self.cfg.tp_size, layout=self.layout, agent_name=agent.name,
-            agent_metadata=agent.metadata(), side_channel=self.cfg.advertise_endpoint,
+            agent_metadata=agent.metadata(), side_channel=self.cfg.advertise_endpoint, transfer_modes=TRANSFER_MODES,
         )
         self.reader.attach(agent, self.metadata)
         endpoint = self.holder.start(agent, self.cfg.bind_endpoint, lambda: self.metadata, self._token)
         spans = agent.spans
         log.info("kvtransfer: engine %s registered %d KV regions (%.1f MiB, %d blocks x %d B, %s, %s) "
-                 "transport=%s %s side channel %s", self.cfg.engine_id, len(spans),
+                 "transport=%s %s mode=%s side channel %s", self.cfg.engine_id, len(spans),
                  sum(n for _, n in spans) / 2**20, self.num_blocks, self.layout.bytes_per_block,
                  self.layout.device, self.layout.layout_name, self.cfg.transport, agent.applied or "",
-                 endpoint)
+                 self.cfg.transfer_mode, endpoint)
 
     def shutdown(self) -> None:
         self.holder.stop()
@@ -118,7 +119,7 @@ class PdWorker:
         return settled.sending, recving, failed
 
     def take_stats(self) -> PdKVStats | None:
-        out = self.stats.aggregate(self.reader.stats)
+        out = self.stats.aggregate(self.holder.pusher.take_stats()).aggregate(self.reader.stats)
         if out.is_empty():
             return None
         self.stats, self.reader.stats = KvStats(), KvStats()

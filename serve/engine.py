@@ -195,7 +195,8 @@ def start_engine(engine_args: Any, stats: EngineStats) -> Any:
 
 
 def kv_transfer_config(role: str, engine_id: str, side_channel_host: str, side_channel_port: int,
-                       lease_seconds: float, transport: str, fault_pause_s: float = 0.0) -> str:
+                       lease_seconds: float, transport: str, fault_pause_s: float = 0.0,
+                       transfer_mode: str = "auto") -> str:
     """`--kv-transfer-config` JSON that loads pdserve's own connector (kvtransfer.connector)."""
     import json
 
@@ -203,7 +204,8 @@ def kv_transfer_config(role: str, engine_id: str, side_channel_host: str, side_c
 
     extra = ConnectorSettings(engine_id=engine_id, side_channel_host=side_channel_host,
                               side_channel_port=side_channel_port, lease_seconds=lease_seconds,
-                              transport=transport, fault_pause_s=fault_pause_s).to_extra_config()
+                              transport=transport, transfer_mode=transfer_mode,
+                              fault_pause_s=fault_pause_s).to_extra_config()
     return json.dumps({
         "kv_connector": "PdConnector",
         "kv_connector_module_path": "kvtransfer.connector",

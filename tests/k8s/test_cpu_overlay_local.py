@@ -142,11 +142,15 @@ def ok(url: str) -> bool:
         return False
 
 
-def test_cpu_overlay_commands_serve_a_chat_request_and_drain(tmp_path):
+def test_cpu_overlay_commands_serve_a_chat_request_and_drain(tmp_path, model_dir):
+    import shutil
+
     docs = render("cpu")
     models = tmp_path / "models"
-    models.mkdir()
-    # The model-cache Job fills the (here: temporary) shared cache once.
+    # The model-cache Job's command runs against the (here: temporary) shared cache, found
+    # filled as every pod after the first finds it: the conversion itself is
+    # tests/serve/test_model.py's (30-40 s that this suite's engine path need not pay twice).
+    shutil.copytree(model_dir, models / "pdserve" / "models" / "smollm2-135m-instruct")
     job = Pod(docs, "pdserve-model-cache", models)
     r = subprocess.run([sys.executable, "-m", "serve.cli", *job.argv()], cwd=ROOT, env={**os.environ, **job.env},
                        capture_output=True, text=True, timeout=600)

@@ -48,6 +48,7 @@ def test_reduce_matches_the_connectors_summary():
     r = sample().reduce()
     assert r == {"reads": 2, "blocks_read": 10, "bytes_read": 4000, "failures": 1, "lease_expiries": 1,
                  "recomputes": 1, "releases_sent": 3, "blocks_released": 8, "requests_held": 4,
+                 "pushes": 0, "blocks_pushed": 0, "bytes_pushed": 0, "push_failures": 0,
                  "gbps": pytest.approx(4000 / 0.004 / 1e9), "held_blocks": 6}
     assert list(r) == [*COUNTERS, "gbps", "held_blocks"]
     assert KvStats().reduce()["gbps"] == 0.0 and KvStats().reduce()["held_blocks"] == 0
@@ -121,10 +122,12 @@ def test_gbps_is_left_alone_by_a_report_without_reads():
 # The worker's pdserve_kv_* metrics as serve/worker.py defined them before they moved here
 # (names, types, help texts), and those added since: dashboards and tests read these.
 WORKER_KV_METRICS = {
-    "pdserve_kv_reads": ("counter", "Completed KV READs (one per request)"),
+    "pdserve_kv_reads": ("counter", "Completed KV loads into this engine: READs (pull) or WRITEs received (push); "
+                                    "one per request"),
     "pdserve_kv_blocks_transferred": ("counter", "KV blocks read from prefill engines"),
     "pdserve_kv_bytes_transferred": ("counter", "KV bytes read from prefill engines"),
-    "pdserve_kv_transfer_duration_seconds": ("histogram", "Duration of one request's KV READ"),
+    "pdserve_kv_transfer_duration_seconds": ("histogram", "Duration of one request's KV load: its READ (pull), or "
+                                             "from the holder's acceptance to its notification (push)"),
     "pdserve_kv_transfer_gbps": ("gauge", "Achieved GB/s of the last KV READs"),
     "pdserve_kv_transfer_failures": ("counter", "KV loads that failed"),
     "pdserve_kv_lease_expiries": ("counter", "Held requests freed unread by lease"),
@@ -137,6 +140,10 @@ WORKER_KV_METRICS = {
                    "the new token; the last prompt token each with --first-token-from decode; whole prompts after a "
                    "failed load)"),
     "pdserve_kv_held_blocks": ("gauge", "Blocks held for remote decodes now"),
+    # Added with push mode (the prefill side's WRITEs into decode engines).
+    "pdserve_kv_pushes": ("counter", "KV WRITEs into decode engines that completed (push mode)"),
+    "pdserve_kv_bytes_pushed": ("counter", "KV bytes written into decode engines (push mode)"),
+    "pdserve_kv_push_failures": ("counter", "KV WRITEs into decode engines that failed or timed out (push mode)"),
 }
 
 

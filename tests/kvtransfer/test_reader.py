@@ -1,15 +1,16 @@
-"""The reader's acquire and failure accounting with a stand-in holder: no sockets, no NIXL.
+"""The reader's acquire (pull) or push, and failure accounting, with a stand-in holder: no
+sockets, no NIXL. Each test runs in both transfer modes.
 
-A load that cannot be read (holder says "gone", an incompatible holder, an acquire still
-"pending" at the handshake deadline) fails: it is reported finished and failed (vLLM then
-recomputes it) and counted in `failures` and `recomputes`."""
+A load that cannot be read (holder says "gone", an incompatible holder, an acquire or push
+still "pending" at the handshake deadline) fails: it is reported finished and failed (vLLM
+then recomputes it) and counted in `failures` and `recomputes`."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvtransfer.errors import TransferFailed
-from kvtransfer.protocol import Acquire, Release, Reply, TransferParams
+from kvtransfer.protocol import Acquire, Push, Release, Reply, TransferParams
 from kvtransfer.reader import Peer, Reader
 from kvtransfer.protocol import LoadSpec
 from tests.kvtransfer.test_protocol import md
@@ -39,7 +40,7 @@ class Holder:
         self.calls.append(msg)
         if isinstance(msg, Release):
             return Reply("ok")
-        assert isinstance(msg, Acquire)
+        assert isinstance(msg, Acquire | Push)
         status = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
         return Reply(status, "lease expired" if status == "gone" else "")
 
@@ -53,11 +54,21 @@ def spec(rid: str = "r1") -> LoadSpec:
     return LoadSpec(rid, remote, [7, 8], [1, 2])
 
 
-def make_reader(holder: Holder, clock: Clock, remote_md=None) -> Reader:
-    r = Reader("d", read_timeout_s=5.0, handshake_timeout_s=2.0, clock=clock, sleep=clock.sleep)
+@pytest.fixture(params=["pull", "push"])
+def mode(request) -> str:
+    return request.param
+
+
+def make_reader(holder: Holder, clock: Clock, remote_md=None, mode: str = "pull") -> Reader:
+    r = Reader("d", read_timeout_s=5.0, handshake_timeout_s=2.0, clock=clock, sleep=clock.sleep, mode=mode)
     r.local = md(engine_id="d")
-    r._peers["p"] = Peer(remote_md or md(engine_id="p"), holder)  # as after a handshake (a socket)
+    remote_md = remote_md or md(engine_id="p", transfer_modes=("pull", "push"))
+    r._peers["p"] = Peer(remote_md, holder, mode)  # as after a handshake (a socket)
     return r
+
+
+def kind(mode: str) -> type:
+    return Acquire if mode == "pull" else Push
 
 
 def run_load(r: Reader, s: LoadSpec) -> None:
@@ -66,9 +77,9 @@ def run_load(r: Reader, s: LoadSpec) -> None:
     r.start_prepared()
 
 
-def test_gone_answer_fails_the_load_and_counts_a_recompute():
+def test_gone_answer_fails_the_load_and_counts_a_recompute(mode):
     holder = Holder(["gone"])
-    r = make_reader(holder, Clock())
+    r = make_reader(holder, Clock(), mode=mode)
     run_load(r, spec())
     assert r.take_finished() == ({"r1"}, {"r1"})
     assert (r.stats.failures, r.stats.recomputes, r.stats.reads) == (1, 1, 0)
@@ -76,32 +87,39 @@ def test_gone_answer_fails_the_load_and_counts_a_recompute():
     r.close()
 
 
-def test_pending_is_retried_until_ok():
+def test_pending_is_retried_until_ok(mode):
     holder = Holder(["pending", "pending", "ok"])
     clock = Clock()
-    r = make_reader(holder, clock)
-    peer = r._prepare(spec(), clock())
+    r = make_reader(holder, clock, mode=mode)
+    peer, pushed_at = r._prepare(spec(), clock())
     assert peer.metadata.engine_id == "p"
-    assert [type(m) for m in holder.calls] == [Acquire, Acquire, Acquire]
+    assert [type(m) for m in holder.calls] == [kind(mode)] * 3
+    assert (pushed_at is None) == (mode == "pull")
+    if mode == "push":
+        # Where the blocks go, and a budget that shrinks with the retries (5 s read timeout).
+        first, last = holder.calls[0], holder.calls[-1]
+        assert (last.block_ids, last.holder_block_ids, last.request_id) == ([7, 8], [1, 2], "r1")
+        assert first.budget_s == pytest.approx(5.0) and last.budget_s == pytest.approx(5.0 - 0.04)
     r.close()
 
 
-def test_pending_past_the_handshake_deadline_fails():
+def test_pending_past_the_handshake_deadline_fails(mode):
     holder = Holder(["pending"])
     clock = Clock()
-    r = make_reader(holder, clock)
+    r = make_reader(holder, clock, mode=mode)
     with pytest.raises(TransferFailed, match="answered pending"):
         r._prepare(spec(), clock())
     assert clock.t >= 50.0 + 2.0  # waited out the handshake timeout, in virtual time
     r.close()
 
 
-def test_incompatible_holder_is_released_at_once_and_recomputed():
+def test_incompatible_holder_is_released_at_once_and_recomputed(mode):
     holder = Holder(["ok"])
-    r = make_reader(holder, Clock(), remote_md=md(engine_id="p", kv_cache_dtype="fp8"))
+    r = make_reader(holder, Clock(), remote_md=md(engine_id="p", kv_cache_dtype="fp8", transfer_modes=("pull", "push")),
+                    mode=mode)
     run_load(r, spec())
     assert r.take_finished() == ({"r1"}, {"r1"})
-    assert [type(m) for m in holder.calls] == [Release]  # never acquired
+    assert [type(m) for m in holder.calls] == [Release]  # never acquired nor pushed
     assert (r.stats.failures, r.stats.recomputes, r.stats.releases_sent) == (1, 1, 1)
     r.close()
 
@@ -115,4 +133,82 @@ def test_load_before_kv_registration_fails_and_releases():
     assert r.take_finished() == ({"r1"}, {"r1"})
     assert [type(m) for m in holder.calls] == [Acquire, Release]
     assert (r.stats.failures, r.stats.recomputes) == (1, 1)
+    r.close()
+
+
+def test_push_error_releases_and_forgets_the_holder():
+    """A holder that refuses a push (it lost this engine's metadata, a WRITE that could not
+    start) may still hold the blocks: they are released, and the next load handshakes again."""
+    holder = Holder(["error"])
+    r = make_reader(holder, Clock(), mode="push")
+    run_load(r, spec())
+    r._io.shutdown(wait=True)
+    assert r.take_finished() == ({"r1"}, {"r1"})
+    assert [type(m) for m in holder.calls] == [Push, Release]
+    assert "p" not in r._peers
+    r.close()
+
+
+class Notifier:
+    """The engine's NIXL agent as the push path sees it: notifications only."""
+
+    def __init__(self) -> None:
+        self.inbox: list[bytes] = []
+
+    def take_notifs(self) -> list[bytes]:
+        out, self.inbox = self.inbox, []
+        return out
+
+
+def test_push_completes_on_its_notification_and_fails_on_the_failed_one():
+    from kvtransfer.protocol import FAILED_SUFFIX, notif_tag
+
+    holder, clock = Holder(["ok"]), Clock()
+    r = make_reader(holder, clock, mode="push")
+    agent = Notifier()
+    run_load(r, spec("a"))
+    run_load(r, spec("b"))
+    agent.inbox = [b"pdserve-kv:unknown", notif_tag("a")]
+    clock.t += 0.5
+    r._poll_pushes(agent)
+    agent.inbox = [notif_tag("b") + FAILED_SUFFIX]
+    r._poll_pushes(agent)
+    assert r.take_finished() == ({"a", "b"}, {"b"})
+    s = r.stats
+    assert (s.reads, s.blocks_read, s.failures, s.recomputes) == (1, 2, 1, 1)
+    assert s.read_seconds == [pytest.approx(0.5)] and s.bytes_read == 2 * r.local.layout.bytes_per_block
+    assert [type(m) for m in holder.calls] == [Push, Push]  # the holder frees its blocks itself
+    r.close()
+
+
+def test_push_past_its_deadline_fails_only_after_the_holder_answered_the_release():
+    from kvtransfer.protocol import notif_tag
+
+    holder, clock = Holder(["ok"]), Clock()
+    r = make_reader(holder, clock, mode="push")
+    agent = Notifier()
+    run_load(r, spec())
+    clock.t += 5.0  # the read timeout, counted from before the push
+    r._poll_pushes(agent)
+    r._cancels["r1"][1].result(timeout=10)  # the release went out and was answered
+    agent.inbox = [notif_tag("r1")]  # a completion seen after giving up is not used
+    r._poll_pushes(agent)
+    assert r.take_finished() == ({"r1"}, {"r1"})
+    assert [type(m) for m in holder.calls] == [Push, Release]
+    assert (r.stats.reads, r.stats.failures) == (0, 1)
+    r.close()
+
+
+def test_a_request_may_ask_for_the_other_mode_and_an_older_holder_is_pulled_from():
+    from dataclasses import replace
+
+    holder, clock = Holder(["ok"]), Clock()
+    r = make_reader(holder, clock, mode="push")
+    r._prepare(replace(spec(), mode="pull"), clock())
+    r._prepare(spec(), clock())
+    assert [type(m) for m in holder.calls] == [Acquire, Push]
+    old = Holder(["ok"])
+    r._peers["p"] = Peer(md(engine_id="p"), old, "pull")  # serves pull only (no transfer_modes sent)
+    r._prepare(spec(), clock())
+    assert [type(m) for m in old.calls] == [Acquire]
     r.close()

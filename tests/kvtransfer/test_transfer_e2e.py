@@ -1,5 +1,9 @@
 """Prefill engine -> NIXL READ -> decode engine, with real engines in separate processes.
 
+The decode worker pulls (`--kv-transfer-mode pull`): every other real-engine disaggregated
+test (test_disagg_e2e.py, test_faults.py, test_netns.py) runs the default, auto, which is
+push on this machine's shm and tcp transports, so both modes move real KV between engines.
+
 Greedy output through the transfer must equal the same engine running the request alone,
 the KV must really move (bytes = blocks x block bytes, the decode engine computes at most
 the last partial block), and blocks must come back on both sides after aborts and leases.
@@ -55,10 +59,12 @@ def pair(model_dir):
     try:
         p, purl = start_worker("prefill", 0, model_dir, extra, wait=False)
         procs.append(p)
-        d, durl = start_worker("decode", 1, model_dir, extra, wait=False)
+        d, durl = start_worker("decode", 1, model_dir, [*extra, "--kv-transfer-mode", "pull"], wait=False)
         procs.append(d)
         for proc, url in ((p, purl), (d, durl)):  # both engines load at once
             proc.wait_http(f"{url}/health", 420)
+        info = httpx.get(f"{durl}/info", timeout=10).json()
+        assert info["kv_transfer_mode"] == "pull", info
         yield kind, purl, durl, d
     finally:
         for proc in procs:

@@ -1,13 +1,14 @@
-"""`pdserve bench kv --e2e`: the same prompts through (a) pdserve's connector and (b) vLLM's
+"""`pdserve bench kv --e2e`: the same prompt lengths through pdserve's connector in push and
+in pull mode (one pair of engines, requests alternating between the modes) and through vLLM's
 NixlConnector (the reference), in bf16 and fp8, prefill engine on core 0 and decode engine
 on core 1, one pair at a time.
 
 Per request: the decode side's TTFT as the client sees it (request sent to the decode
-engine -> first token; it contains the whole KV wait: handshake, acquire, READ, scheduling,
-plus one token of compute that is the same for both), the bytes moved and, for pdserve, the
-connector's own READ time. Writes `bench_kv_e2e.json` and prints a table with the ratios
-the targets name: decode-side KV wait pdserve / NixlConnector, fp8 / bf16 transfer time,
-and pdserve's achieved GB/s / raw NIXL READ at the same descriptor size (measured here).
+engine -> first token; it contains the whole KV wait: handshake, acquire or push, transfer,
+scheduling, plus one token of compute that is the same for all). `--repeats` passes (default
+5); per pass the p50, over passes min / median / max / spread. Bytes moved per mode from the
+workers' metrics (pushed bytes on the prefill side, the rest pulled). Writes
+`bench_kv_e2e.json` and prints the ratios the targets name (`summarize`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,10 @@ def nixl_pair(model: str, kv: list[str], servers: Servers) -> tuple[str, str]:
     return started[0][1], started[1][1]
 
 
-def pdserve_request(purl: str, durl: str, ids: list[int]) -> float:
+def pdserve_request(purl: str, durl: str, ids: list[int], mode: str | None = None) -> float:
+    """One prompt prefilled on `purl`, then its first token from `durl`: the decode side's TTFT
+    (it holds the whole KV wait). `mode` asks the decode engine for push or pull for this
+    request (kvtransfer.protocol.requested_mode); None: its own."""
     rid = uuid.uuid4().hex
     body = {"request_id": rid, "prompt_token_ids": ids, "remote_decode": True,
             "sampling": {"max_tokens": 1, "temperature": 0.0}}
@@ -90,6 +94,10 @@ def pdserve_request(purl: str, durl: str, ids: list[int]) -> float:
         for line in r.iter_lines():
             if line:
                 params = json.loads(line).get("kv_transfer") or params
+    if params is None:
+        raise PerfError("the pdserve prefill worker returned no kv_transfer params")
+    if mode is not None:
+        params = {k: ({**v, "mode": mode} if k == "pdserve_kv" else v) for k, v in params.items()}
     body = {"request_id": rid + "-d", "prompt_token_ids": ids, "kv_transfer": params,
             "sampling": {"max_tokens": 2, "temperature": 0.0}}
     t0 = time.perf_counter()
@@ -122,8 +130,33 @@ def prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
     return ids[:n]
 
 
-def run(out_dir: str, repeats: int = 1, impls: tuple[str, ...] = ("pdserve", "nixl"),
+def spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values),
+            "spread": max(values) - min(values)}
+
+
+def _pdserve_runs(purl: str, durl: str, tok, modes: list[str], repeats: int) -> dict[str, list[list[float]]]:
+    """Per mode, per repeat, the decode TTFTs (s) of LENGTHS; the modes alternate request by
+    request (order flipped every other prompt) on the same pair of engines, each on its own
+    prompts (no prefix-cache hits across modes)."""
+    out: dict[str, list[list[float]]] = {m: [] for m in modes}
+    for rep in range(repeats):
+        for m in modes:
+            out[m].append([])
+        for i, n in enumerate(LENGTHS):
+            order = modes if i % 2 == 0 else modes[::-1]
+            for m in order:
+                salt = rep * 1000 + i * 10 + modes.index(m)
+                out[m][rep].append(pdserve_request(purl, durl, prompt_ids(tok, n, salt), None if m == "pdserve" else m))
+    return out
+
+
+def run(out_dir: str, repeats: int = 5, impls: tuple[str, ...] = ("push", "pull", "nixl"),
         kinds: tuple[str, ...] = ("bf16", "fp8")) -> dict:
+    """`impls`: push and pull (pdserve's connector, one pair of engines, requests alternating),
+    pdserve (the same pair, the engine's own mode: auto), nixl (vLLM's NixlConnector). Each
+    repeat is one pass over LENGTHS; per repeat the decode TTFT p50 (the KV wait plus one
+    token), and over repeats its min / median / max / spread."""
     from serve.frontend.tokenizer import Tokenizer
     from serve.model import resolve_model
 
@@ -131,62 +164,77 @@ def run(out_dir: str, repeats: int = 1, impls: tuple[str, ...] = ("pdserve", "ni
     tok = Tokenizer(model)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"lengths": LENGTHS, "runs": {}}
+    modes = [m for m in ("push", "pull", "pdserve") if m in impls]
+    results: dict = {"lengths": LENGTHS, "repeats": repeats, "runs": {}}
     with open(out / "bench_kv_e2e.log", "wb") as log:
         for kind, kv in (("bf16", []), ("fp8", ["--kv-cache-dtype", "fp8"])):
             if kind not in kinds:
                 continue
-            for impl, start, request, bytes_metric in (
-                    ("pdserve", pdserve_pair, pdserve_request, "pdserve_kv_bytes_transferred_total"),
-                    ("nixl", nixl_pair, nixl_request, "vllm:nixl_bytes_transferred_sum")):
-                if impl not in impls:
-                    continue
+            for impl in (["pdserve"] if modes else []) + (["nixl"] if "nixl" in impls else []):
                 servers = Servers(log)
                 try:
-                    purl, durl = start(model, kv, servers)
-                    for w in range(2):  # warm-up (handshake happens here)
-                        request(purl, durl, prompt_ids(tok, 400, 10_000 + w))
-                    b0 = metric_sum(durl, bytes_metric)
-                    t0 = metric_sum(durl, "pdserve_kv_transfer_duration_seconds_sum") if impl == "pdserve" else 0.0
-                    ttfts = []
-                    for rep in range(repeats):
-                        for i, n in enumerate(LENGTHS):
-                            ttfts.append(request(purl, durl, prompt_ids(tok, n, rep * 100 + i)))
-                    moved = metric_sum(durl, bytes_metric) - b0
-                    row = {"decode_ttft_ms": [t * 1000 for t in ttfts], "bytes_moved": moved,
-                           "decode_ttft_p50_ms": statistics.median(ttfts) * 1000}
                     if impl == "pdserve":
-                        secs = metric_sum(durl, "pdserve_kv_transfer_duration_seconds_sum") - t0
-                        row["transfer_seconds"] = secs
-                        row["achieved_gbps"] = moved / secs / 1e9 if secs else 0.0
-                    results["runs"][f"{impl}-{kind}"] = row
-                    print(f"{impl:8s} {kind}: decode TTFT p50 {row['decode_ttft_p50_ms']:7.1f} ms, "
-                          f"{moved / 2**20:8.1f} MiB moved"
-                          + (f", READ {row['transfer_seconds'] * 1000:.1f} ms in all, "
-                             f"{row['achieved_gbps']:.2f} GB/s" if impl == "pdserve" else ""), flush=True)
+                        purl, durl = pdserve_pair(model, kv, servers)
+                        for w, m in enumerate(modes * 2):  # warm-up: the handshake happens here
+                            pdserve_request(purl, durl, prompt_ids(tok, 400, 10_000 + w), None if m == "pdserve" else m)
+                        time.sleep(2)  # the warm-up's stats reach the metrics
+                        b0 = metric_sum(durl, "pdserve_kv_bytes_transferred_total")
+                        p0 = metric_sum(purl, "pdserve_kv_bytes_pushed_total")
+                        runs = _pdserve_runs(purl, durl, tok, modes, repeats)
+                        time.sleep(2)
+                        moved = metric_sum(durl, "pdserve_kv_bytes_transferred_total") - b0
+                        pushed = metric_sum(purl, "pdserve_kv_bytes_pushed_total") - p0
+                        recomputes = metric_sum(durl, "pdserve_kv_recomputes_total")
+                        by_mode = {"push": pushed, "pull": moved - pushed} if "pdserve" not in modes else {}
+                    else:
+                        purl, durl = nixl_pair(model, kv, servers)
+                        for w in range(2):
+                            nixl_request(purl, durl, prompt_ids(tok, 400, 10_000 + w))
+                        b0 = metric_sum(durl, "vllm:nixl_bytes_transferred_sum")
+                        runs = {"nixl": [[nixl_request(purl, durl, prompt_ids(tok, n, rep * 1000 + i * 10 + 7))
+                                          for i, n in enumerate(LENGTHS)] for rep in range(repeats)]}
+                        by_mode = {"nixl": metric_sum(durl, "vllm:nixl_bytes_transferred_sum") - b0}
+                        recomputes = 0.0
+                    for m, reps in runs.items():
+                        p50s = [statistics.median(r) * 1000 for r in reps]
+                        row = {"decode_ttft_ms": [[t * 1000 for t in r] for r in reps], "p50_ms_by_repeat": p50s,
+                               "p50_ms": spread(p50s), "bytes_moved": by_mode.get(m)}
+                        if impl == "pdserve":
+                            row["recomputes_on_pair"] = recomputes
+                        results["runs"][f"{m}-{kind}"] = row
+                        print(f"{m:8s} {kind}: decode TTFT p50 by repeat "
+                              + " ".join(f"{v:6.1f}" for v in p50s) + " ms"
+                              + (f", {row['bytes_moved'] / 2**20:.1f} MiB moved" if row["bytes_moved"] else ""),
+                              flush=True)
                 finally:
                     servers.stop()
-    r = results["runs"]
-    summary: dict[str, float] = {}
-    for kind in kinds:
-        if f"pdserve-{kind}" in r and f"nixl-{kind}" in r:
-            summary[f"kv_wait_ratio_{kind}"] = r[f"pdserve-{kind}"]["decode_ttft_p50_ms"] / r[f"nixl-{kind}"]["decode_ttft_p50_ms"]
-    if "pdserve-fp8" in r and "pdserve-bf16" in r:
-        summary["fp8_over_bf16_transfer_time"] = r["pdserve-fp8"]["transfer_seconds"] / r["pdserve-bf16"]["transfer_seconds"]
-        summary["fp8_over_bf16_bytes"] = r["pdserve-fp8"]["bytes_moved"] / r["pdserve-bf16"]["bytes_moved"]
-    # Raw NIXL READ at the connector's descriptor size: one descriptor per layer per request,
-    # (blocks x per-layer block bytes) long; the median request here reads ~8 blocks x 96 KiB.
-    from bench.perf.kv.micro import raw_read_gbps
-
-    desc = 8 * 96 * 1024
-    raw = raw_read_gbps(desc, 128)
-    summary["raw_nixl_read_gbps_at_descriptor"] = raw
-    summary["descriptor_bytes"] = desc
-    first = next((r[f"pdserve-{k}"] for k in kinds if f"pdserve-{k}" in r), None)
-    if first is not None:
-        summary["connector_over_raw_read"] = first["achieved_gbps"] / raw
-    results["summary"] = summary
+    results["summary"] = summarize(results["runs"], kinds)
     (out / "bench_kv_e2e.json").write_text(json.dumps(results, indent=2))
-    for k, v in summary.items():
-        print(f"{k}: {v:.3f}")
+    for k, v in results["summary"].items():
+        print(f"{k}: {v:.3f}" if isinstance(v, float) else f"{k}: {v}")
     return results
+
+
+def summarize(r: dict, kinds: tuple[str, ...]) -> dict:
+    """The issue's targets from the runs: per dtype, push vs pull per repeat (push at least as
+    fast on every repeat, push's spread at most half of pull's), push / NixlConnector per
+    repeat (<= 1.0 in every one), and fp8 / bf16 bytes per mode (half)."""
+    summary: dict = {}
+    for kind in kinds:
+        push, pull, nixl = (r.get(f"{m}-{kind}") for m in ("push", "pull", "nixl"))
+        if push and pull:
+            pairs = list(zip(push["p50_ms_by_repeat"], pull["p50_ms_by_repeat"]))
+            summary[f"push_le_pull_every_repeat_{kind}"] = all(a <= b for a, b in pairs)
+            summary[f"push_over_pull_p50_{kind}"] = push["p50_ms"]["median"] / pull["p50_ms"]["median"]
+            if pull["p50_ms"]["spread"] > 0:
+                summary[f"push_spread_over_pull_spread_{kind}"] = push["p50_ms"]["spread"] / pull["p50_ms"]["spread"]
+        for m, row in (("push", push), ("pull", pull), ("pdserve", r.get(f"pdserve-{kind}"))):
+            if row and nixl:
+                ratios = [a / b for a, b in zip(row["p50_ms_by_repeat"], nixl["p50_ms_by_repeat"])]
+                summary[f"{m}_over_nixl_max_{kind}"] = max(ratios)
+                summary[f"{m}_over_nixl_median_{kind}"] = statistics.median(ratios)
+    for m in ("push", "pull", "nixl"):
+        a, b = r.get(f"{m}-fp8"), r.get(f"{m}-bf16")
+        if a and b and a.get("bytes_moved") and b.get("bytes_moved"):
+            summary[f"fp8_over_bf16_bytes_{m}"] = a["bytes_moved"] / b["bytes_moved"]
+    return summary
