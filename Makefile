@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 # Where torch's CPU build comes from elsewhere (the CPU image passes PyTorch's CPU index).
 TORCH_INDEX ?=
 
-.PHONY: install run test test-fast model clean-venv aiperf bench-loadgen aiconfigurator plan-grid py-spy dynamo
+.PHONY: install run test test-fast model clean-venv aiperf ucxx bench-loadgen aiconfigurator plan-grid py-spy dynamo
 
 install: $(STAMP)
 
@@ -58,6 +58,16 @@ aiperf: $(AIPERF_VENV)/bin/aiperf
 $(AIPERF_VENV)/bin/aiperf:
 	$(PYTHON) -m venv $(AIPERF_VENV)
 	$(AIPERF_VENV)/bin/python -m pip install -q aiperf==0.13.0
+
+# UCXX (UCX-Py's successor) in its own virtualenv, for `pdserve bench kv --impls ucxx`: its
+# import sets UCX_RNDV_THRESH process-wide, which would slow NIXL in the same process.
+UCXX_VENV ?= .venv-ucxx
+ucxx: $(UCXX_VENV)/bin/python
+	$(UCXX_VENV)/bin/python -c "import ucxx, numpy"
+
+$(UCXX_VENV)/bin/python:
+	$(PYTHON) -m venv $(UCXX_VENV)
+	$(UCXX_VENV)/bin/python -m pip install -q ucxx-cu12==0.52.0 numpy
 
 bench-loadgen: model aiperf
 	$(VENV)/bin/pdserve bench loadgen-vs-aiperf --aiperf $(AIPERF_VENV)/bin/aiperf

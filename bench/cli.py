@@ -40,10 +40,11 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                     help="UCX profiles for the micro benchmark (default: shm tcp)")
     kv.add_argument("--repeats", type=int, default=None,
                     help="--e2e: passes over the prompt set (default: 5); --gpu: passes per case (default: 5)")
-    kv.add_argument("--impls", nargs="+", default=["push", "pull", "nixl"], choices=["push", "pull", "pdserve", "nixl"],
+    kv.add_argument("--impls", nargs="+", default=["push", "pull", "nixl"], choices=["push", "pull", "pdserve", "nixl", "ucxx"],
                     help="--e2e: what to run: push, pull (pdserve's connector in that mode, one pair of engines, "
                          "requests alternating), pdserve (the same, the worker's own mode), nixl (vLLM's "
-                         "NixlConnector) (default: push pull nixl)")
+                         "NixlConnector) (default: push pull nixl); without --e2e, ucxx adds raw UCX through UCXX "
+                         "(`make ucxx`) to the micro benchmark")
     kv.add_argument("--kinds", nargs="+", default=["bf16", "fp8"], choices=["bf16", "fp8"],
                     help="--e2e: KV dtypes to run (default: bf16 fp8)")
     _add_tool_parsers(bsub)
@@ -171,11 +172,14 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.e2e:
         from bench.perf.kv.e2e import run as run_e2e
 
+        if "ucxx" in args.impls:
+            raise BenchError("--impls ucxx is a micro benchmark path (raw UCX); drop --e2e")
         run_e2e(args.out, args.repeats or 5, tuple(args.impls), tuple(args.kinds))
     else:
         from bench.perf.kv.micro import run as run_micro
 
-        run_micro(args.out, args.total_mib, args.transports)
+        run_micro(args.out, args.total_mib, args.transports, args.repeats or 5,
+                  tuple(i for i in args.impls if i == "ucxx"))
     return 0
 
 

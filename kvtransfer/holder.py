@@ -8,7 +8,10 @@ flight, a small thread calls into NIXL every HOLDER_PROGRESS_S: with NIXL's prog
 off, a READ over a software transport completes only while the holder calls in, and an idle
 holder engine takes no steps. The thread polls the WRITEs (each finished one frees its
 lease; a late or failed one is cancelled) before it sweeps expired leases, so a reader that
-died mid-read does not keep it polling until the engine's next step; idle, it sleeps.
+died mid-read does not keep it polling until the engine's next step; idle, it sleeps. On a
+decode engine it also runs while the engine's own READs are in flight (`also_busy`): a READ
+that UCX moves in fragments then advances every HOLDER_PROGRESS_S, not once per engine
+step (on a loaded core a step can take tens of milliseconds).
 """
 
 from __future__ import annotations
@@ -31,8 +34,9 @@ IDLE_WAKE_S = 1.0  # with no read in flight, sweep leases at least this often
 
 
 class Holder:
-    def __init__(self, leases: LeaseTable) -> None:
+    def __init__(self, leases: LeaseTable, also_busy: Callable[[], bool] = lambda: False) -> None:
         self.leases = leases
+        self.also_busy = also_busy  # this engine's own READs in flight: progress them too
         self.pusher = Pusher(leases, clock=leases.clock)
         self.agent: NixlAgent | None = None
         self._metadata: Callable[[], EngineMetadata | None] = lambda: None
@@ -51,6 +55,10 @@ class Holder:
         self._thread = threading.Thread(target=self._progress, name="pdserve-kv-holder-progress", daemon=True)
         self._thread.start()
         return self.server.endpoint
+
+    def wake(self) -> None:
+        """Start progressing now (a READ of this engine's was just posted)."""
+        self._wake.set()
 
     def stop(self) -> None:
         self._stopping = True
@@ -94,7 +102,7 @@ class Holder:
                     return
                 log.exception("kvtransfer: holder push poll failed")
             self.leases.sweep()
-            if not self.leases.reading() and not self.pusher.busy():
+            if not self.leases.reading() and not self.pusher.busy() and not self.also_busy():
                 self._wake.wait(timeout=IDLE_WAKE_S)
                 self._wake.clear()
                 continue

@@ -91,8 +91,8 @@ class KvMetrics:
                                 "received (push); one per request", registry=r)
         self.kv_blocks = Counter("pdserve_kv_blocks_transferred", "KV blocks read from prefill engines", registry=r)
         self.kv_bytes = Counter("pdserve_kv_bytes_transferred", "KV bytes read from prefill engines", registry=r)
-        self.kv_seconds = Histogram("pdserve_kv_transfer_duration_seconds", "Duration of one request's KV load: its READ (pull), or from the "
-                                      "holder's acceptance to its notification (push)",
+        self.kv_seconds = Histogram("pdserve_kv_transfer_duration_seconds", "Duration of one request's KV load: its READ (pull), or from sending "
+                                      "the push to its notification (push)",
                                     buckets=TRANSFER_BUCKETS, registry=r)
         self.kv_gbps = Gauge("pdserve_kv_transfer_gbps", "Achieved GB/s of the last KV READs", registry=r)
         self.kv_failures = Counter("pdserve_kv_transfer_failures", "KV loads that failed", registry=r)

@@ -190,9 +190,13 @@ def remote_decode_request() -> dict[str, Any]:
     return {PARAMS_KEY: {"do_remote_decode": True}}
 
 
-def to_vllm_params(p: TransferParams) -> dict[str, Any]:
-    """`kv_transfer_params` for the decode request (the one conversion to vLLM's dict)."""
-    return {PARAMS_KEY: {"do_remote_prefill": True, "remote": msgspec.to_builtins(p)}}
+def to_vllm_params(p: TransferParams, mode: str | None = None) -> dict[str, Any]:
+    """`kv_transfer_params` for the decode request (the one conversion to vLLM's dict); `mode`
+    asks for push or pull for this load alone (`requested_mode`)."""
+    inner: dict[str, Any] = {"do_remote_prefill": True, "remote": msgspec.to_builtins(p)}
+    if mode is not None:
+        inner["mode"] = mode
+    return {PARAMS_KEY: inner}
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:

@@ -66,7 +66,7 @@ class Pushed:
 
     spec: LoadSpec
     nbytes: int
-    started: float  # when the holder answered that its WRITE is posted
+    started: float  # when the (accepted) Push was sent: the WRITE's time includes the round trip
     deadline: float
 
 
@@ -133,6 +133,11 @@ class Reader:
         """Start preparing a planned load: handshake and acquire, on an io thread."""
         now = self.clock()
         self._preparing[spec.request_id] = Preparing(spec, self._io.submit(self._prepare, spec, now), now)
+
+    def reading(self) -> bool:
+        """Whether READs are in flight (read from another thread: a progress loop keeps them
+        moving between engine steps)."""
+        return bool(self._reads)
 
     def release(self, remote: TransferParams) -> None:
         """Tell the holder to free a request's blocks (on an io thread)."""
@@ -284,7 +289,7 @@ class Reader:
     # -- io threads -----------------------------------------------------------------------
     def _prepare(self, spec: LoadSpec, queued_at: float) -> tuple[Peer, float | None]:
         """Handshake (cached per engine), compatibility, then acquire (pull) or push; the peer,
-        and when the holder accepted the push (None in pull mode)."""
+        and when the push the holder accepted was sent (None in pull mode)."""
         began = self.clock()
         faults.pause_before_read(self.fault_pause_s, self.sleep)  # test-only: hold a transfer here
         remote = spec.remote
@@ -303,6 +308,7 @@ class Reader:
                            queued_at + self.read_timeout_s - self.clock(), self._auth)
             else:
                 msg = Acquire(remote.request_id, self.engine_id, self._auth)
+            sent = self.clock()
             try:
                 with peer.lock:
                     reply = peer.client.call(msg)
@@ -316,7 +322,7 @@ class Reader:
                                 "queued %.2f s before it started)", remote.request_id, took, shook - began,
                                 reply.status, began - queued_at)
             if reply.status == "ok":
-                return peer, (self.clock() if push else None)
+                return peer, (sent if push else None)
             if reply.status == "pending" and self.clock() < deadline:
                 self.sleep(ACQUIRE_PENDING_RETRY_S)
                 continue

@@ -68,9 +68,10 @@ class PdWorker:
         self.stats = KvStats()  # holder-side counters of this report; the reader keeps its own
         self._token = cluster_token()
         self.leases = LeaseTable(cfg.read_timeout_s, clock=clock)
-        self.holder = Holder(self.leases)
         self.reader = Reader(cfg.engine_id, cfg.read_timeout_s, cfg.handshake_timeout_s, cfg.fault_pause_s,
                              token=self._token, clock=clock, mode=cfg.transfer_mode)
+        # The holder's progress thread also runs while this engine's own READs are in flight.
+        self.holder = Holder(self.leases, also_busy=self.reader.reading)
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -105,12 +106,16 @@ class PdWorker:
         for spec in meta.loads:
             self.reader.load(spec)
         self.reader.start_prepared()
+        if self.reader.reading():
+            self.holder.wake()
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) for this step."""
         if self.agent is not None:
             self.agent.progress()  # progress the holder side: the progress thread is off
         self.reader.step()
+        if self.reader.reading():
+            self.holder.wake()
         settled = self.leases.settle(finished_req_ids)
         self.stats.held_blocks = settled.held_blocks
         self.stats.blocks_released += settled.blocks_released

@@ -46,6 +46,7 @@ class GenerateRequest(msgspec.Struct, frozen=True, kw_only=True):
     sampling: SamplingOptions
     remote_decode: bool = False
     kv_transfer: TransferParams | None = None
+    kv_transfer_mode: Literal["push", "pull"] | None = None  # with kv_transfer: this load's mode (default: the worker's)
     protocol_version: int = PROTOCOL_VERSION
 
 

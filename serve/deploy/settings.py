@@ -98,6 +98,9 @@ class UpSettings:
         worker_args = ["--kv-lease-seconds", str(args.kv_lease_seconds)] + (
             ["--kv-cache-dtype", args.kv_cache_dtype] if args.kv_cache_dtype else [])
         if args.kv_transfer_mode is not None:
+            if args.engine == "sim" and args.kv_transfer_mode == "push":
+                raise PdserveError("--kv-transfer-mode push needs real engines: simulated workers model pull "
+                                   "transfers")
             worker_args += ["--kv-transfer-mode", args.kv_transfer_mode]
         for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
                             ("--max-num-seqs", args.max_num_seqs)):

@@ -82,7 +82,7 @@ class VllmBackend:
         if req.remote_decode:
             extra = {"kv_transfer_params": remote_decode_request()}
         elif req.kv_transfer is not None:
-            extra = {"kv_transfer_params": to_vllm_params(req.kv_transfer)}
+            extra = {"kv_transfer_params": to_vllm_params(req.kv_transfer, req.kv_transfer_mode)}
         try:
             return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, seed=s.seed,
                                   ignore_eos=s.ignore_eos, min_tokens=s.min_tokens,

@@ -127,7 +127,7 @@ WORKER_KV_METRICS = {
     "pdserve_kv_blocks_transferred": ("counter", "KV blocks read from prefill engines"),
     "pdserve_kv_bytes_transferred": ("counter", "KV bytes read from prefill engines"),
     "pdserve_kv_transfer_duration_seconds": ("histogram", "Duration of one request's KV load: its READ (pull), or "
-                                             "from the holder's acceptance to its notification (push)"),
+                                             "from sending the push to its notification (push)"),
     "pdserve_kv_transfer_gbps": ("gauge", "Achieved GB/s of the last KV READs"),
     "pdserve_kv_transfer_failures": ("counter", "KV loads that failed"),
     "pdserve_kv_lease_expiries": ("counter", "Held requests freed unread by lease"),

@@ -55,3 +55,15 @@ def test_params_round_trip():
     assert from_vllm_params({"other_connector": {}}) is None
     assert wants_remote_decode(remote_decode_request())
     assert not wants_remote_decode(to_vllm_params(p))
+
+
+def test_a_load_may_ask_for_its_own_transfer_mode():
+    from kvtransfer.errors import SettingsError
+    from kvtransfer.protocol import requested_mode
+
+    p = TransferParams(engine_id="p", request_id="r", block_ids=[3], num_tokens=20,
+                       side_channel="tcp://127.0.0.1:9", lease_seconds=30.0)
+    assert requested_mode(to_vllm_params(p)) is None
+    assert requested_mode(to_vllm_params(p, "pull")) == "pull" and from_vllm_params(to_vllm_params(p, "pull")) == p
+    with pytest.raises(SettingsError, match="mode 'sideways': choose push or pull"):
+        requested_mode(to_vllm_params(p, "sideways"))

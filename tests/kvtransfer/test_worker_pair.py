@@ -101,7 +101,20 @@ def test_read_moves_the_blocks_and_releases_the_holder(pair, mode):
                                                                        (1, 3, 3 * block_bytes))
     assert d.reader._peers["eng-p"].mode == mode
 
-    # The same request again: its blocks are freed, the holder says "gone", the load recomputes.
+    # One load may ask for the other mode (the benchmark compares both on one pair).
+    other = "pull" if mode == "push" else "push"
+    p.start_load_kv(meta(holds={"r2": (2, 10.0)}))
+    remote2 = TransferParams(engine_id="eng-p", request_id="r2", block_ids=[5, 6], num_tokens=20,
+                             side_channel=side, lease_seconds=10.0)
+    d.start_load_kv(meta(loads=[LoadSpec("r2", remote2, [11, 12], [5, 6], other)]))
+    sending, recving, failed = steps_until(lambda s, r, f: "r2" in s and "r2" in r, [(p, {"r2"}), (d, set())])
+    assert (sending, recving, failed) == ({"r2"}, {"r2"}, set())
+    for src, dst in zip(pkv.values(), dkv.values()):
+        assert torch.equal(src[5:7], dst[11:13])
+    dr, pr = d.take_stats().reduce(), p.take_stats().reduce()
+    assert (pr["pushes"], dr["releases_sent"]) == ((1, 0) if other == "push" else (0, 1))
+
+    # The first request again: its blocks are freed, the holder says "gone", the load recomputes.
     d.start_load_kv(meta(loads=[LoadSpec("r", remote, [1], [2])]))
     _, recving, failed = steps_until(lambda s, r, f: "r" in f, [(d, set())])
     assert failed == {"r"} and recving == {"r"}

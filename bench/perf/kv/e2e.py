@@ -96,10 +96,10 @@ def pdserve_request(purl: str, durl: str, ids: list[int], mode: str | None = Non
                 params = json.loads(line).get("kv_transfer") or params
     if params is None:
         raise PerfError("the pdserve prefill worker returned no kv_transfer params")
-    if mode is not None:
-        params = {k: ({**v, "mode": mode} if k == "pdserve_kv" else v) for k, v in params.items()}
     body = {"request_id": rid + "-d", "prompt_token_ids": ids, "kv_transfer": params,
             "sampling": {"max_tokens": 2, "temperature": 0.0}}
+    if mode is not None:
+        body["kv_transfer_mode"] = mode
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{durl}/generate", json=body, timeout=120) as r:
         for line in r.iter_lines():  # the worker's /generate streams JSON lines, not SSE

@@ -55,6 +55,16 @@ def test_sim_options_need_the_sim_engine():
     assert r.returncode == 2 and r.stderr.strip() == "pdserve up: error: --sim-step-model needs --engine sim"
 
 
+def test_push_transfers_need_real_engines_in_one_line():
+    for cmd in (["up", "--engine", "sim", "--mode", "disagg", "--kv-transfer-mode", "push"],
+                ["worker", "--engine", "sim", "--role", "decode", "--kv-transfer-mode", "push"]):
+        r = subprocess.run([sys.executable, "-m", "serve.cli", *cmd], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and r.stderr.strip() == (
+            f"pdserve {cmd[0]}: error: --kv-transfer-mode push needs real engines: simulated workers model pull "
+            "transfers"), r.stderr
+
+
 def test_up_fails_at_once_when_its_port_is_taken(model_dir):
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
