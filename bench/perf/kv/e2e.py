@@ -82,10 +82,11 @@ def nixl_pair(model: str, kv: list[str], servers: Servers) -> tuple[str, str]:
     return started[0][1], started[1][1]
 
 
-def pdserve_request(purl: str, durl: str, ids: list[int], mode: str | None = None) -> float:
+def pdserve_request(purl: str, durl: str, ids: list[int], mode: str | None = None) -> tuple[float, float]:
     """One prompt prefilled on `purl`, then its first token from `durl`: the decode side's TTFT
-    (it holds the whole KV wait). `mode` asks the decode engine for push or pull for this
-    request (kvtransfer.protocol.requested_mode); None: its own."""
+    and its KV wait (the worker's `kv_load_s`: queued to first scheduled in the engine, vLLM's
+    own request timestamps). `mode` asks the decode engine for push or pull for this request
+    (GenerateRequest.kv_transfer_mode); None: its own."""
     rid = uuid.uuid4().hex
     body = {"request_id": rid, "prompt_token_ids": ids, "remote_decode": True,
             "sampling": {"max_tokens": 1, "temperature": 0.0}}
@@ -103,8 +104,11 @@ def pdserve_request(purl: str, durl: str, ids: list[int], mode: str | None = Non
     t0 = time.perf_counter()
     with httpx.stream("POST", f"{durl}/generate", json=body, timeout=120) as r:
         for line in r.iter_lines():  # the worker's /generate streams JSON lines, not SSE
-            if line and json.loads(line).get("token_ids"):
-                return time.perf_counter() - t0
+            delta = json.loads(line) if line else {}
+            if delta.get("token_ids"):
+                if delta.get("kv_load_s") is None:
+                    raise PerfError("the decode worker reported no kv_load_s")
+                return time.perf_counter() - t0, float(delta["kv_load_s"])
     raise PerfError("no token from the pdserve decode worker")
 
 
@@ -115,11 +119,14 @@ def nixl_request(purl: str, durl: str, ids: list[int]) -> float:
     body = {"model": MODEL_NAME, "prompt": ids, "max_tokens": 2, "temperature": 0, "stream": True,
             "kv_transfer_params": params}
     t0 = time.perf_counter()
+    ttft = None
     with httpx.stream("POST", f"{durl}/v1/completions", json=body, timeout=120) as r:
-        for event in SseStream().parse(r.iter_lines()):
-            if (event.get("choices") or [{}])[0].get("text") is not None:
-                return time.perf_counter() - t0
-    raise PerfError("no token from the vLLM decode server")
+        for event in SseStream().parse(r.iter_lines()):  # read to the end: the request then finishes, not
+            if ttft is None and (event.get("choices") or [{}])[0].get("text") is not None:  # aborts, and is
+                ttft = time.perf_counter() - t0  # counted in vLLM's queue-time histogram
+    if ttft is None:
+        raise PerfError("no token from the vLLM decode server")
+    return ttft
 
 
 def prompt_ids(tokenizer, n: int, salt: int) -> list[int]:
@@ -135,11 +142,11 @@ def spread(values: list[float]) -> dict:
             "spread": max(values) - min(values)}
 
 
-def _pdserve_runs(purl: str, durl: str, tok, modes: list[str], repeats: int) -> dict[str, list[list[float]]]:
-    """Per mode, per repeat, the decode TTFTs (s) of LENGTHS; the modes alternate request by
-    request (order flipped every other prompt) on the same pair of engines, each on its own
+def _pdserve_runs(purl: str, durl: str, tok, modes: list[str], repeats: int) -> dict[str, list[list[tuple]]]:
+    """Per mode, per repeat, (decode TTFT, KV wait) in s of LENGTHS; the modes alternate request
+    by request (order flipped every other prompt) on the same pair of engines, each on its own
     prompts (no prefix-cache hits across modes)."""
-    out: dict[str, list[list[float]]] = {m: [] for m in modes}
+    out: dict[str, list[list[tuple]]] = {m: [] for m in modes}
     for rep in range(repeats):
         for m in modes:
             out[m].append([])
@@ -149,6 +156,22 @@ def _pdserve_runs(purl: str, durl: str, tok, modes: list[str], repeats: int) -> 
                 salt = rep * 1000 + i * 10 + modes.index(m)
                 out[m][rep].append(pdserve_request(purl, durl, prompt_ids(tok, n, salt), None if m == "pdserve" else m))
     return out
+
+
+def _row(reps: list[list[tuple]], nbytes: float | None) -> dict:
+    """One mode's runs: per repeat the decode TTFT p50, the KV wait mean, and (where each
+    request's is known: pdserve) the KV wait p50; over repeats their spreads."""
+    ttft = [[t for t, _ in r if t != "mean"] for r in reps]
+    waits = [[w for t, w in r if t != "mean" and w is not None] for r in reps]
+    means = [next((w for t, w in r if t == "mean"), None) for r in reps]
+    mean_ms = [(m if m is not None else statistics.fmean(w)) * 1000 for m, w in zip(means, waits)]
+    p50s = [statistics.median(t) * 1000 for t in ttft]
+    wait_p50 = [statistics.median(w) * 1000 for w in waits if w]
+    return {"decode_ttft_ms": [[t * 1000 for t in r] for r in ttft], "kv_wait_ms": [[w * 1000 for w in r] for r in waits],
+            "p50_ms_by_repeat": p50s, "p50_ms": spread(p50s),
+            "kv_wait_mean_ms_by_repeat": mean_ms, "kv_wait_mean_ms": spread(mean_ms),
+            "kv_wait_p50_ms_by_repeat": wait_p50, "kv_wait_p50_ms": spread(wait_p50) if wait_p50 else None,
+            "bytes_moved": nbytes}
 
 
 def run(out_dir: str, repeats: int = 5, impls: tuple[str, ...] = ("push", "pull", "nixl"),
@@ -190,21 +213,31 @@ def run(out_dir: str, repeats: int = 5, impls: tuple[str, ...] = ("push", "pull"
                         purl, durl = nixl_pair(model, kv, servers)
                         for w in range(2):
                             nixl_request(purl, durl, prompt_ids(tok, 400, 10_000 + w))
+                        time.sleep(2)
                         b0 = metric_sum(durl, "vllm:nixl_bytes_transferred_sum")
-                        runs = {"nixl": [[nixl_request(purl, durl, prompt_ids(tok, n, rep * 1000 + i * 10 + 7))
-                                          for i, n in enumerate(LENGTHS)] for rep in range(repeats)]}
+                        reps = []
+                        for rep in range(repeats):
+                            q0 = (metric_sum(durl, "vllm:request_queue_time_seconds_sum"),
+                                  metric_sum(durl, "vllm:request_queue_time_seconds_count"))
+                            ttfts = [nixl_request(purl, durl, prompt_ids(tok, n, rep * 1000 + i * 10 + 7))
+                                     for i, n in enumerate(LENGTHS)]
+                            time.sleep(1.5)  # the last requests' stats reach the metrics
+                            waited = metric_sum(durl, "vllm:request_queue_time_seconds_sum") - q0[0]
+                            count = metric_sum(durl, "vllm:request_queue_time_seconds_count") - q0[1]
+                            reps.append([(t, None) for t in ttfts] + [("mean", waited / max(count, 1))])
+                        runs = {"nixl": reps}
                         by_mode = {"nixl": metric_sum(durl, "vllm:nixl_bytes_transferred_sum") - b0}
                         recomputes = 0.0
                     for m, reps in runs.items():
-                        p50s = [statistics.median(r) * 1000 for r in reps]
-                        row = {"decode_ttft_ms": [[t * 1000 for t in r] for r in reps], "p50_ms_by_repeat": p50s,
-                               "p50_ms": spread(p50s), "bytes_moved": by_mode.get(m)}
+                        results["runs"][f"{m}-{kind}"] = row = _row(reps, by_mode.get(m))
                         if impl == "pdserve":
                             row["recomputes_on_pair"] = recomputes
-                        results["runs"][f"{m}-{kind}"] = row
-                        print(f"{m:8s} {kind}: decode TTFT p50 by repeat "
-                              + " ".join(f"{v:6.1f}" for v in p50s) + " ms"
-                              + (f", {row['bytes_moved'] / 2**20:.1f} MiB moved" if row["bytes_moved"] else ""),
+                        print(f"{m:8s} {kind}: KV wait mean by repeat "
+                              + " ".join(f"{v:6.1f}" for v in row["kv_wait_mean_ms_by_repeat"]) + " ms"
+                              + ("; p50 " + " ".join(f"{v:6.1f}" for v in row["kv_wait_p50_ms_by_repeat"])
+                                 if row["kv_wait_p50_ms_by_repeat"] else "")
+                              + "; decode TTFT p50 " + " ".join(f"{v:6.1f}" for v in row["p50_ms_by_repeat"])
+                              + (f"; {row['bytes_moved'] / 2**20:.1f} MiB moved" if row["bytes_moved"] else ""),
                               flush=True)
                 finally:
                     servers.stop()
@@ -222,15 +255,16 @@ def summarize(r: dict, kinds: tuple[str, ...]) -> dict:
     summary: dict = {}
     for kind in kinds:
         push, pull, nixl = (r.get(f"{m}-{kind}") for m in ("push", "pull", "nixl"))
-        if push and pull:
-            pairs = list(zip(push["p50_ms_by_repeat"], pull["p50_ms_by_repeat"]))
-            summary[f"push_le_pull_every_repeat_{kind}"] = all(a <= b for a, b in pairs)
-            summary[f"push_over_pull_p50_{kind}"] = push["p50_ms"]["median"] / pull["p50_ms"]["median"]
-            if pull["p50_ms"]["spread"] > 0:
-                summary[f"push_spread_over_pull_spread_{kind}"] = push["p50_ms"]["spread"] / pull["p50_ms"]["spread"]
+        if push and pull:  # the decode-side KV wait p50 per repeat (same pair, alternating requests)
+            a, b = push["kv_wait_p50_ms_by_repeat"], pull["kv_wait_p50_ms_by_repeat"]
+            summary[f"push_le_pull_every_repeat_{kind}"] = all(x <= y for x, y in zip(a, b))
+            summary[f"push_over_pull_p50_{kind}"] = push["kv_wait_p50_ms"]["median"] / pull["kv_wait_p50_ms"]["median"]
+            if pull["kv_wait_p50_ms"]["spread"] > 0:
+                summary[f"push_spread_over_pull_spread_{kind}"] = (push["kv_wait_p50_ms"]["spread"]
+                                                                   / pull["kv_wait_p50_ms"]["spread"])
         for m, row in (("push", push), ("pull", pull), ("pdserve", r.get(f"pdserve-{kind}"))):
-            if row and nixl:
-                ratios = [a / b for a, b in zip(row["p50_ms_by_repeat"], nixl["p50_ms_by_repeat"])]
+            if row and nixl:  # means: vLLM's server reports its queue time only as a histogram
+                ratios = [x / y for x, y in zip(row["kv_wait_mean_ms_by_repeat"], nixl["kv_wait_mean_ms_by_repeat"])]
                 summary[f"{m}_over_nixl_max_{kind}"] = max(ratios)
                 summary[f"{m}_over_nixl_median_{kind}"] = statistics.median(ratios)
     for m in ("push", "pull", "nixl"):

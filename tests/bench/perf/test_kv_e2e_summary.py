@@ -5,8 +5,10 @@ import pytest
 from bench.perf.kv.e2e import spread, summarize
 
 
-def row(p50s, nbytes=None):
-    return {"p50_ms_by_repeat": p50s, "p50_ms": spread(p50s), "bytes_moved": nbytes}
+def row(waits, nbytes=None):
+    """A mode's repeats whose KV wait p50 and mean are both `waits` (ms)."""
+    return {"kv_wait_p50_ms_by_repeat": waits, "kv_wait_p50_ms": spread(waits), "kv_wait_mean_ms_by_repeat": waits,
+            "bytes_moved": nbytes}
 
 
 def test_targets_are_read_per_repeat():
@@ -23,3 +25,15 @@ def test_targets_are_read_per_repeat():
     assert s["fp8_over_bf16_bytes_push"] == s["fp8_over_bf16_bytes_pull"] == 0.5
     assert "fp8_over_bf16_bytes_nixl" not in s and "push_over_nixl_max_fp8" not in s
     assert spread([3, 1, 2]) == {"min": 1, "median": 2, "max": 3, "spread": 2}
+
+
+def test_a_row_holds_per_request_waits_or_a_servers_mean():
+    from bench.perf.kv.e2e import _row
+
+    ours = _row([[(0.2, 0.010), (0.3, 0.030), (0.25, 0.020)], [(0.2, 0.05), (0.2, 0.07)]], 64.0)
+    assert ours["kv_wait_p50_ms_by_repeat"] == pytest.approx([20.0, 60.0])
+    assert ours["kv_wait_mean_ms_by_repeat"] == pytest.approx([20.0, 60.0])
+    assert ours["p50_ms_by_repeat"] == pytest.approx([250.0, 200.0]) and ours["bytes_moved"] == 64.0
+    theirs = _row([[(0.4, None), (0.5, None), ("mean", 0.012)]], None)
+    assert theirs["kv_wait_mean_ms_by_repeat"] == pytest.approx([12.0]) and theirs["kv_wait_p50_ms"] is None
+    assert theirs["p50_ms_by_repeat"] == pytest.approx([450.0])
