@@ -44,7 +44,7 @@ from kvtransfer.side_channel import SideChannelClient, unpin_thread
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
 
-ACQUIRE_PENDING_RETRY_S = 0.02
+ACQUIRE_PENDING_RETRY_S = 0.005  # the hold appears at the prefill engine's next step
 SLOW_PREPARE_S = 1.0
 SPIN_S = 0.05  # longest a READ is progressed inline before it is left to the per-step poll
 
@@ -135,9 +135,9 @@ class Reader:
         self._preparing[spec.request_id] = Preparing(spec, self._io.submit(self._prepare, spec, now), now)
 
     def reading(self) -> bool:
-        """Whether READs are in flight (read from another thread: a progress loop keeps them
-        moving between engine steps)."""
-        return bool(self._reads)
+        """Whether READs are in flight or pushes awaited (read from another thread: a progress
+        loop keeps them moving, and takes in notifications, between engine steps)."""
+        return bool(self._reads or self._pushes)
 
     def release(self, remote: TransferParams) -> None:
         """Tell the holder to free a request's blocks (on an io thread)."""

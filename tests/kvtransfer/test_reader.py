@@ -99,7 +99,9 @@ def test_pending_is_retried_until_ok(mode):
         # Where the blocks go, and a budget that shrinks with the retries (5 s read timeout).
         first, last = holder.calls[0], holder.calls[-1]
         assert (last.block_ids, last.holder_block_ids, last.request_id) == ([7, 8], [1, 2], "r1")
-        assert first.budget_s == pytest.approx(5.0) and last.budget_s == pytest.approx(5.0 - 0.04)
+        from kvtransfer.reader import ACQUIRE_PENDING_RETRY_S
+
+        assert first.budget_s == pytest.approx(5.0) and last.budget_s == pytest.approx(5.0 - 2 * ACQUIRE_PENDING_RETRY_S)
     r.close()
 
 
