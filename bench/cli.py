@@ -189,8 +189,19 @@ def run(args: argparse.Namespace) -> int:
     if cmd not in TOOLS:
         print(f"pdserve bench: error: usage: pdserve bench {'|'.join(TOOLS)} ...", file=sys.stderr)
         return 2
+    _stop_on_sigterm()
     try:
         return _dispatch(args)
     except BenchError as e:
         print(f"pdserve bench {cmd}: error: {e}", file=sys.stderr)
         return 2
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a CI runner) unwinds like Ctrl-C, so each benchmark's `finally` stops
+    the servers it started (by default Python dies at once and leaves them running)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))

@@ -102,3 +102,14 @@ def test_pyprojects_entry_points_name_these_add_commands():
         sub = argparse.ArgumentParser(prog="pdserve").add_subparsers(dest="command")
         getattr(importlib.import_module(module), attr)(sub)
         assert callable(sub.choices[name].get_default("run")), name
+
+
+def test_sigterm_unwinds_a_benchmark_so_it_stops_its_servers():
+    """`timeout` or a CI runner stops a benchmark with SIGTERM: its `finally` (Servers.stop)
+    still runs, instead of leaving the engines it started behind."""
+    code = ("import os, signal, time, bench.cli\n"
+            "bench.cli._stop_on_sigterm()\n"
+            "try:\n    os.kill(os.getpid(), signal.SIGTERM)\n    time.sleep(30)\n"
+            "finally:\n    print('servers stopped', flush=True)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 143 and r.stdout.strip() == "servers stopped", (r.returncode, r.stdout, r.stderr)
