@@ -77,7 +77,7 @@ class Holder:
 
     def on_release(self, msg: Release) -> Reply:
         if self.agent is not None:
-            self.pusher.cancel(self.agent, msg.request_id)  # a WRITE in flight stops before the answer
+            self.pusher.cancel(self.agent, msg.request_id, msg.engine_id)  # a WRITE stops before the answer
         self.leases.release(msg.request_id)
         return Reply("ok")
 

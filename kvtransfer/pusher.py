@@ -8,8 +8,11 @@ the decode engine once every byte has landed, and that is what the decode side w
 `poll` (the holder's progress thread) frees the lease of each finished WRITE; one that
 fails, or runs past its deadline, is cancelled, its lease freed, and the decode engine told
 at once (the tag with `FAILED_SUFFIX`) so it recomputes without waiting out its timeout.
-`cancel` (a `Release` from the decode side) cancels a WRITE still in flight before the reply
-goes back: after a decode engine's release is answered, nothing more lands in its blocks.
+`cancel` (a `Release`) cancels a WRITE still in flight before the reply goes back: after a
+decode engine's release is answered, nothing more lands in its blocks. A release from anyone
+else (the frontend freeing the hold of a client that left) also tells the decode engine that
+its push failed, so it hands its blocks back at once instead of at its deadline; a WRITE
+already done when the release comes counts as done (its notification is on its way).
 
 Deadlines: a WRITE is given the decode side's remaining budget less DEADLINE_MARGIN_S, and
 never longer than the lease pin less that margin, so a WRITE is cancelled both before the
@@ -41,6 +44,7 @@ CANCEL_WAIT_S = 2.0  # longest a release waits for a WRITE NIXL could not cancel
 class Write:
     request_id: str
     handle: object
+    target: str  # the decode engine's id
     peer_agent: str
     blocks: int
     nbytes: int
@@ -116,7 +120,7 @@ class Pusher:
                 if state == "ERR":
                     agent.release(handle)
                     raise RuntimeError("NIXL WRITE failed to start")
-                self._writes[msg.request_id] = Write(msg.request_id, handle, target.agent_name,
+                self._writes[msg.request_id] = Write(msg.request_id, handle, msg.engine_id, target.agent_name,
                                                      len(msg.holder_block_ids), sum(n for _, n in src), now,
                                                      now + budget)
         except Exception as exc:
@@ -127,12 +131,16 @@ class Pusher:
             return Reply("error", f"{type(exc).__name__}: {exc}")
         return Reply("ok")
 
-    def cancel(self, agent: NixlAgent, request_id: str) -> None:
-        """The decode side released the request: stop its WRITE (if any) before answering."""
+    def cancel(self, agent: NixlAgent, request_id: str, by_engine: str) -> None:
+        """`by_engine` released the request: stop its WRITE (if any) before answering."""
         with self._lock:
             w = self._writes.pop(request_id, None)
-            if w is not None:
-                self._finish(agent, w, cancelled=True)
+            if w is None:
+                return
+            if agent.check(w.handle) == "DONE":
+                self._done(agent, w)
+            else:
+                self._finish(agent, w, cancelled=by_engine == w.target)
 
     # -- holder progress thread ------------------------------------------------------------
     def poll(self, agent: NixlAgent) -> None:
@@ -144,22 +152,25 @@ class Pusher:
                     continue
                 del self._writes[rid]
                 if state == "DONE":
-                    self._release_handle(agent, w)
-                    s = self.stats
-                    s.pushes += 1
-                    s.blocks_pushed += w.blocks
-                    s.bytes_pushed += w.nbytes
-                    log.info("kvtransfer: pushed %s: %d blocks, %d bytes in %.2f ms", rid, w.blocks, w.nbytes,
-                             (self.clock() - w.started) * 1e3)
-                    self.leases.release(rid)
+                    self._done(agent, w)
                 else:
                     log.warning("kvtransfer: push of %s %s", rid, "failed" if state == "ERR" else "timed out")
                     self._finish(agent, w, cancelled=False)
 
     # -- lock held ---------------------------------------------------------------------------
+    def _done(self, agent: NixlAgent, w: Write) -> None:
+        self._release_handle(agent, w)
+        s = self.stats
+        s.pushes += 1
+        s.blocks_pushed += w.blocks
+        s.bytes_pushed += w.nbytes
+        log.info("kvtransfer: pushed %s: %d blocks, %d bytes in %.2f ms", w.request_id, w.blocks, w.nbytes,
+                 (self.clock() - w.started) * 1e3)
+        self.leases.release(w.request_id)
+
     def _finish(self, agent: NixlAgent, w: Write, cancelled: bool) -> None:
-        """Cancel (or reap) a WRITE that will not be used, free its lease, tell the decode side
-        unless it is the one that asked."""
+        """Cancel (or reap) a WRITE that will not be used, free its lease, and tell the decode
+        side unless it is the one that asked (`cancelled`)."""
         self._release_handle(agent, w)
         self.leases.release(w.request_id)
         if not cancelled:

@@ -113,6 +113,9 @@ class Reader:
         self._preparing: dict[str, Preparing] = {}
         self._reads: dict[str, Read] = {}
         self._pushes: dict[bytes, Pushed] = {}  # by notif_tag of the holder's request id
+        # Notifications that came before their push was registered (the holder's WRITE can
+        # finish before its "ok" reaches the engine thread): tag -> when seen.
+        self._early: dict[bytes, float] = {}
         self._cancels: dict[str, tuple[LoadSpec, Future, str]] = {}  # late pushes being released
         self._done_recving: set[str] = set()
         self._failed_recving: set[str] = set()
@@ -218,13 +221,22 @@ class Reader:
         nbytes = len(spec.local_block_ids) * local.layout.bytes_per_block if local is not None else 0
         self._pushes[notif_tag(spec.remote.request_id)] = Pushed(spec, nbytes, pushed_at,
                                                                  created + self.read_timeout_s)
+        if self.agent is not None or self._early:
+            self._poll_pushes(self.agent)  # its notification may be here already
 
-    def _poll_pushes(self, agent: NixlAgent) -> None:
-        for msg in agent.take_notifs():
+    def _poll_pushes(self, agent: NixlAgent | None) -> None:
+        now = self.clock()
+        fresh = [(m, now) for m in agent.take_notifs()] if agent is not None else []
+        early, self._early = self._early, {}
+        for msg, seen in [*early.items(), *fresh]:
             failed = msg.endswith(FAILED_SUFFIX)
             pushed = self._pushes.pop(msg[:-len(FAILED_SUFFIX)] if failed else msg, None)
             if pushed is None:
-                continue  # a notification for a push already given up (its release was answered)
+                # Not registered yet (kept a read timeout), or given up already (its release was
+                # answered: then it is dropped with the expiry).
+                if now - seen < self.read_timeout_s:
+                    self._early[msg] = seen
+                continue
             if failed:
                 self._fail(pushed.spec, "the holder's WRITE failed or timed out")
                 continue

@@ -214,3 +214,28 @@ def test_a_request_may_ask_for_the_other_mode_and_an_older_holder_is_pulled_from
     r._prepare(spec(), clock())
     assert [type(m) for m in old.calls] == [Acquire]
     r.close()
+
+
+def test_a_notification_before_its_push_is_registered_is_kept_for_it():
+    """The holder's WRITE can finish before its "ok" reaches the engine thread: a notification
+    taken in for another push's poll waits for its own push instead of being dropped."""
+    from kvtransfer.protocol import notif_tag
+
+    holder, clock = Holder(["ok"]), Clock()
+    r = make_reader(holder, clock, mode="push")
+    agent = Notifier()
+    run_load(r, spec("a"))
+    agent.inbox = [notif_tag("b")]  # b's WRITE is done; b is still on its way to the engine thread
+    r._poll_pushes(agent)
+    assert r.take_finished() == (set(), set())
+    r.agent = agent  # as once KV caches are registered
+    run_load(r, spec("b"))
+    assert r.take_finished() == ({"b"}, set())
+    clock.t += 6.0  # a's deadline: released, then failed; stale early notifications expire
+    agent.inbox = [notif_tag("gone-long-ago")]
+    r._poll_pushes(agent)
+    r._cancels["a"][1].result(timeout=10)
+    clock.t += 6.0
+    r._poll_pushes(agent)
+    assert r.take_finished() == ({"a"}, {"a"}) and r._early == {}
+    r.close()

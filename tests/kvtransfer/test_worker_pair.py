@@ -167,3 +167,27 @@ def test_a_stalled_push_is_cancelled_and_recomputed_without_stranding_blocks(pai
     assert (pr["push_failures"], pr["held_blocks"], dr["recomputes"]) == (1, 0, 1)
     # Told by the holder before its own deadline ran out (no release needed), or else released at it.
     assert dr["releases_sent"] == (0 if deliver_failure else 1)
+
+
+@pytest.mark.parametrize("mode", ["push"])
+def test_a_hold_released_by_another_engine_ends_the_push_at_once(pair):
+    """The frontend frees the hold of a client that left (`/kv/release` on the prefill worker)
+    while the WRITE is in flight: the WRITE is cancelled and the decode engine told, so its
+    blocks go back now, not at its (here 30 s) deadline, and it sends no release of its own."""
+    from kvtransfer.side_channel import release_once
+
+    p, _, d, _, side = pair
+    d.reader.read_timeout_s = 30.0
+    stuck = StuckWrites(p.agent, deliver_failure=True)
+    p.holder.agent = stuck
+    p.start_load_kv(meta(holds={"r": (2, 10.0)}))
+    remote = TransferParams(engine_id="eng-p", request_id="r", block_ids=[2, 3], num_tokens=20,
+                            side_channel=side, lease_seconds=10.0)
+    d.start_load_kv(meta(loads=[LoadSpec("r", remote, [7, 8], [2, 3])]))
+    steps_until(lambda s, r, f: bool(p.holder.pusher.busy()), [(p, {"r"}), (d, set())], timeout=5)
+    assert p.holder.pusher.busy()  # the WRITE is in flight
+    assert release_once(side, "r", "prefill-worker-frontend-release", None, 2.0).status == "ok"
+    sending, recving, failed = steps_until(lambda s, r, f: "r" in f and "r" in s, [(p, {"r"}), (d, set())])
+    assert failed == {"r"} and recving == {"r"} and sending == {"r"} and stuck.cancelled
+    dr = d.take_stats().reduce()
+    assert (dr["recomputes"], dr["releases_sent"]) == (1, 0)
