@@ -64,7 +64,7 @@ class Pusher:
     def __init__(self, leases: LeaseTable, clock: Callable[[], float] = time.monotonic) -> None:
         self.leases = leases
         self.clock = clock
-        self.stats = KvStats()  # pushes_sent etc., taken with the holder's counters
+        self.stats = KvStats()  # pushes, bytes_pushed, push_failures: taken with the holder's counters
         self._lock = threading.Lock()  # _writes, _targets and the NIXL calls on them
         self._targets: dict[str, Target] = {}
         self._writes: dict[str, Write] = {}
