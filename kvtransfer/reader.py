@@ -240,16 +240,7 @@ class Reader:
             if failed:
                 self._fail(pushed.spec, "the holder's WRITE failed or timed out")
                 continue
-            secs = max(self.clock() - pushed.started, 1e-9)
-            s = self.stats
-            s.reads += 1
-            s.blocks_read += len(pushed.spec.local_block_ids)
-            s.bytes_read += pushed.nbytes
-            s.read_seconds.append(secs)
-            s.read_bytes.append(pushed.nbytes)
-            self._done_recving.add(pushed.spec.request_id)
-            log.info("kvtransfer: pushed to %s: %d blocks, %d bytes in %.2f ms (%.2f GB/s)", pushed.spec.request_id,
-                     len(pushed.spec.local_block_ids), pushed.nbytes, secs * 1e3, pushed.nbytes / secs / 1e9)
+            self._loaded("pushed to", pushed.spec, pushed.nbytes, self.clock() - pushed.started)
         now = self.clock()
         for tag, pushed in list(self._pushes.items()):
             if now >= pushed.deadline:
@@ -276,20 +267,24 @@ class Reader:
             if state == "DONE" and (rd.finished_at or done_at) > rd.deadline:
                 state = "LATE"  # past the deadline the holder may have freed the blocks: never use
             if state == "DONE":
-                secs = (rd.finished_at or done_at) - rd.started
-                s = self.stats
-                s.reads += 1
-                s.blocks_read += len(rd.spec.local_block_ids)
-                s.bytes_read += rd.nbytes
-                s.read_seconds.append(secs)
-                s.read_bytes.append(rd.nbytes)
-                self._done_recving.add(rid)
-                log.info("kvtransfer: read %s: %d blocks, %d bytes in %.2f ms (%.2f GB/s)", rid,
-                         len(rd.spec.local_block_ids), rd.nbytes, secs * 1e3, rd.nbytes / max(secs, 1e-9) / 1e9)
+                self._loaded("read", rd.spec, rd.nbytes, (rd.finished_at or done_at) - rd.started)
             else:
                 self._fail(rd.spec, {"ERR": "READ error", "LATE": "READ completed past its deadline"}.get(
                     state, "READ timed out"))
             self.release(rd.spec.remote)
+
+    def _loaded(self, verb: str, spec: LoadSpec, nbytes: int, secs: float) -> None:
+        """A load that completed (READ or push): counted, reported finished, logged."""
+        secs = max(secs, 1e-9)
+        s = self.stats
+        s.reads += 1
+        s.blocks_read += len(spec.local_block_ids)
+        s.bytes_read += nbytes
+        s.read_seconds.append(secs)
+        s.read_bytes.append(nbytes)
+        self._done_recving.add(spec.request_id)
+        log.info("kvtransfer: %s %s: %d blocks, %d bytes in %.2f ms (%.2f GB/s)", verb, spec.request_id,
+                 len(spec.local_block_ids), nbytes, secs * 1e3, nbytes / secs / 1e9)
 
     def _fail(self, spec: LoadSpec, why: str) -> None:
         self.stats.failures += 1

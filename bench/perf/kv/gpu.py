@@ -24,13 +24,13 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import statistics
 import time
 from pathlib import Path
 
 import numpy as np
 
 from bench.perf.errors import PerfError
+from bench.perf.kv.micro import spread, stop_target
 
 BLOCK_SIZES = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
 CASES = ("vram-vram", "vram-dram", "dram-vram", "dram-dram")
@@ -44,13 +44,6 @@ def parse_case(case: str) -> tuple[str, str]:
     if case not in CASES or len(parts) != 2:
         raise PerfError(f"unknown GPU KV case {case!r}; choose from {', '.join(CASES)}")
     return parts[0].upper(), parts[1].upper()
-
-
-def spread(values: list[float]) -> dict:
-    """min / median / max / n of repeated measurements."""
-    if not values:
-        raise PerfError("no measurements")
-    return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
 
 
 def descs(rng, nblocks: int, block: int, base: int, capacity: int, dev: int) -> np.ndarray:
@@ -192,10 +185,7 @@ def case(name: str, total: int, repeats: int, block_sizes: list[int] | None = No
                   + (f"  torch copy {ref:7.2f}" if ref else ""), flush=True)
         del buf
     finally:
-        parent.send("stop")
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+        stop_target(parent, proc)
     return rows
 
 

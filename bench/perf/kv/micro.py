@@ -149,11 +149,19 @@ def case(transport: str, total: int, block_sizes: list[int] | None = None, repea
                   f"WRITE {write:6.2f} [{ws['min']:.2f}-{ws['max']:.2f}]  memcpy {mem:6.2f} GB/s  "
                   f"READ/memcpy {read / mem:4.2f}", flush=True)
     finally:
-        parent.send("stop")
-        proc.join(timeout=30)
-        if proc.is_alive():
-            proc.kill()
+        stop_target(parent, proc)
     return rows
+
+
+def stop_target(conn, proc) -> None:
+    """Tell a benchmark's target process to stop; kill it if it has not in 30 s."""
+    try:
+        conn.send("stop")
+    except OSError:  # it is gone already
+        pass
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
 
 
 def ucxx_python() -> Path:
