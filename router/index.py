@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from router.hashing import ROOT, chain
+from router.hashing import ROOT, block_hashes
 
 
 @dataclass
@@ -65,13 +65,10 @@ class PrefixIndex:
                 if parent is None:
                     return  # parent unknown (events missed): these blocks cannot be chained
             bs = event.block_size
-            for i, engine_hash in enumerate(event.block_hashes):
-                tokens = event.token_ids[i * bs:(i + 1) * bs]
-                if len(tokens) < bs:
-                    break
-                parent = chain(parent, tokens)
-                self._hold(parent, worker, float("inf"))
-                w.by_engine_hash[_key(engine_hash)] = parent
+            ours = block_hashes(event.token_ids[:len(event.block_hashes) * bs], bs, parent)  # full blocks only
+            for engine_hash, h in zip(event.block_hashes, ours):
+                self._hold(h, worker, float("inf"))
+                w.by_engine_hash[_key(engine_hash)] = h
         elif isinstance(event, BlockRemoved):
             for engine_hash in event.block_hashes:
                 ours = w.by_engine_hash.pop(_key(engine_hash), None)

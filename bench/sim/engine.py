@@ -63,29 +63,34 @@ class OfflineEngine(SimEngine):
         self.kick()
 
     # -- sampling ------------------------------------------------------------------------
-    def _sample(self, req: SimRequest) -> None:
+    keyed = False  # tokens come from `output_token(seed, position)`: no prompt hash per request
+
+    def _sample(self, req: SimRequest) -> None:  # once per token: kept lean
         out = req.output
-        out.append(output_token(req.sampling.seed or 0, req.offset + len(out)))
+        n = len(out) + 1  # the output's length with this token
+        out.append(output_token(req.sampling.seed or 0, req.offset + n - 1))
         self.counters.generation_tokens += 1
         # A block that filled with this step's KV (the context but the new token) joins the
         # cache; the prefill's commit registered every full block before the first token.
-        prompt = req.prompt
-        computed = len(prompt) + len(out) - 1
-        bs = self.table.block_size
-        if computed % bs == 0 and len(out) > 1:
-            start = computed - bs
-            if start >= len(prompt):
-                block = out[start - len(prompt):computed - len(prompt)]
-            else:
-                block = prompt[start:] + out[:computed - len(prompt)]
-            if self.table.committed(req.request_id) == start // bs:
-                self.table.commit_next(req.request_id, block)
+        if n > 1:
+            plen = len(req.prompt)
+            computed = plen + n - 1
+            table = self.table
+            bs = table.block_size
+            if computed % bs == 0:
+                start = computed - bs
+                if start >= plen:
+                    block = out[start - plen:computed - plen]
+                else:
+                    block = req.prompt[start:] + out[:computed - plen]
+                if table.committed(req.request_id) == start // bs:
+                    table.commit_next(req.request_id, block)
         times = self.token_times.get(req.request_id)
         if times is not None:
             times.append(self.loop.now)
-        if len(out) >= req.sampling.max_tokens:
+        if n >= req.sampling.max_tokens:
             self._finish(req, "length", announce=False)
             self.token_times.pop(req.request_id, None)
             self.on_token(req)
-        elif len(out) == 1:
+        elif n == 1:
             self.on_token(req)

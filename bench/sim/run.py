@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from bench.loadgen.config import ProfileConfig
 from bench.loadgen.export import write_artifacts
 from bench.loadgen.profile import ProfileResult
@@ -62,7 +64,7 @@ def record_of(flow: Flow, base_ns: int) -> Record:
     start = round(flow.arrival * 1e9)
     rec = Record(session=flow.session, turn=flow.turn, phase="profiling", worker=0, start_ns=start,
                  wall_start_ns=base_ns + start, end_ns=round(flow.end * 1e9),
-                 content_ns=array("q", (round(t * 1e9) for t in times)),  # type: ignore[arg-type]
+                 content_ns=array("q", np.rint(np.asarray(times) * 1e9).astype(np.int64).tobytes()),
                  prompt_tokens=flow.isl, completion_tokens=len(times), expected_isl=flow.isl,
                  requested_osl=flow.osl, isl=flow.isl, osl=len(times), streaming=True)
     if flow.error is not None:

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import random
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
+
+import numpy as np
 
 from bench.loadgen.config import ProfileConfig
 from bench.loadgen.dataset import TraceEntry, parse_mooncake, shape_rng
@@ -51,7 +52,8 @@ def _length(rng: random.Random, mean: int, stddev: float, low: int = 1) -> int:
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
-    return [TOKEN_LOW + x % TOKEN_SPAN for x in array("I", rng.randbytes(4 * n))]
+    """`n` token ids from `rng`'s next 4n bytes (each little-endian uint32 into the span)."""
+    return (np.frombuffer(rng.randbytes(4 * n), dtype="<u4") % TOKEN_SPAN + TOKEN_LOW).tolist()
 
 
 def build_sessions(cfg: ProfileConfig) -> list[SimSession]:

@@ -8,7 +8,8 @@ Disaggregated (P prefill, D decode workers):
 - Prefill: each prompt is one step of its ISL tokens (s(isl)); the pool is an M/G/c queue
   (c = P) fed at the request rate. The wait follows Allen-Cunneen (Erlang C times the
   service variability), its tail exponential with the queue's drain rate; TTFT at the
-  percentile = the wait's percentile + the service time's percentile (over the ISL sample).
+  percentile is that of the wait plus the prompt's own service (over the ISL sample), not
+  the sum of their two percentiles.
   With P at utilisation >= 1 the prediction is infinite.
 - Decode: by Little's law a decode worker holds n = rate x (OSL - 1) x ITL / D requests; ITL is
   the step of n contexts at ISL + OSL/2, solved as a fixed point; its percentile adds the
@@ -18,7 +19,7 @@ Disaggregated (P prefill, D decode workers):
 Aggregated (A workers): each one takes rate / A; a share f of its steps carries a prompt
 (mixed), the rest decode only (as the planner's aggregated model); ITL's percentile is the
 mixed step once more than (100 - percentile)% of steps are mixed; TTFT is an M/G/1 wait for
-the prompt's mixed step plus that step.
+the prompt's mixed step plus that step (the percentile of their sum, as for prefill).
 """
 
 from __future__ import annotations
@@ -118,24 +119,60 @@ def erlang_c(c: int, a: float) -> float:
     return last / (total + last)
 
 
-def queue_wait(c: int, rate: float, service: Sequence[float], percentile: float) -> float:
-    """The wait's percentile in an M/G/c queue (Allen-Cunneen, exponential tail)."""
+def wait_law(c: int, rate: float, service: Sequence[float]) -> tuple[float, float]:
+    """The wait in an M/G/c queue (Allen-Cunneen, exponential tail): (P(wait), the tail's
+    rate), P(W > x) = P(wait) exp(-rate x); P(wait) 1 and rate 0 when the queue is overloaded."""
     if rate <= 0 or not service:
-        return 0.0
+        return 0.0, INF
     mean = sum(service) / len(service)
     if mean <= 0:
-        return 0.0
+        return 0.0, INF
     var = sum((s - mean) ** 2 for s in service) / len(service)
     cs2 = var / (mean * mean)
     a = rate * mean
     if a >= c:
+        return 1.0, 0.0
+    return erlang_c(c, a), (c / mean - rate) * 2 / (1 + cs2)
+
+
+def queue_wait(c: int, rate: float, service: Sequence[float], percentile: float) -> float:
+    """The wait's percentile in an M/G/c queue (Allen-Cunneen, exponential tail)."""
+    pw, drain = wait_law(c, rate, service)
+    if drain == 0.0:
         return INF
-    pw = erlang_c(c, a)
     tail = 1 - percentile / 100.0
     if pw <= tail:
         return 0.0
-    drain = (c / mean - rate) * 2 / (1 + cs2)  # the waiting time's exponential rate
     return math.log(pw / tail) / drain
+
+
+def wait_plus_service(c: int, rate: float, service: Sequence[float], percentile: float) -> float:
+    """The percentile of (wait + own service), the wait as `wait_law` and independent of the
+    service sample: P(W + S > t) = mean over s of P(W > t - s). Adding the two percentiles
+    instead overstates it (both tails at once). Bisection on t over at most 256 service
+    quantiles."""
+    pw, drain = wait_law(c, rate, service)
+    if drain == 0.0:
+        return INF
+    if pw <= 0.0:  # nobody waits
+        return quantile(service, percentile)
+    s = sorted(service)
+    if len(s) > 256:
+        s = [s[(len(s) - 1) * i // 255] for i in range(256)]
+    tail = 1 - percentile / 100.0
+
+    def exceed(t: float) -> float:
+        return sum(1.0 if x > t else pw * math.exp(-drain * (t - x)) for x in s) / len(s)
+
+    lo, hi = 0.0, quantile(s, percentile) + queue_wait(c, rate, s, percentile)  # the sum bounds it
+    if exceed(hi) > tail:  # rounding at the bound
+        return hi
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if exceed(mid) > tail else (lo, mid)
+        if hi - lo <= 1e-6 * hi:
+            break
+    return hi
 
 
 def _decode_itl(e: Engine, per_worker_rate: float, osl: float, ctx: float, z: float = 0.0) -> float:
@@ -159,7 +196,7 @@ def predict_disagg(prefill: Engine, decode: Engine, p: int, d: int, load: Load, 
     isl, osl = load.isl or [1], load.osl or [1]
     service = [prefill.prefill_s(x) for x in isl]
     wait = queue_wait(p, load.rate, service, percentile)
-    ttft = wait + quantile(service, percentile)
+    ttft = wait_plus_service(p, load.rate, service, percentile)
     ctx = load.isl_mean + load.osl_mean / 2
     itl_mean = _decode_itl(decode, load.rate / d, load.osl_mean, ctx, z_of(percentile))
     if itl_mean == INF:
@@ -199,6 +236,6 @@ def predict_agg(e: Engine, a: int, load: Load, percentile: float, chunked: bool 
     itl_p = mixed if share > 1 - percentile / 100.0 else itl
     service = [math.ceil(x / chunk) * mixed for x in (load.isl or [1])]
     wait = queue_wait(1, rate, service, percentile)
-    ttft = 0.5 * itl + wait + quantile(service, percentile)
+    ttft = 0.5 * itl + wait_plus_service(1, rate, service, percentile)
     return Prediction(ttft, max(itl_p, itl), {"batch": rate * osl_mean * itl, "mixed_share": share,
                                               "prompt_wait_s": wait, "itl_mean_s": itl})

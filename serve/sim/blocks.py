@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.events import AllBlocksCleared, BlockRemoved, BlockStored, Event
-from router.hashing import ROOT, chain
+from router.hashing import ROOT, block_hashes, chain
 
 
 class NoSpace(Exception):
@@ -144,9 +144,23 @@ class BlockTable:
         """Register the request's full blocks of `token_ids` (computed now) in the prefix cache."""
         seq = self._seqs[request_id]
         bs = self.block_size
-        full = min(len(token_ids) // bs, len(seq.blocks))
-        for i in range(len(seq.hashes), full):
-            self._register(seq, token_ids[i * bs:(i + 1) * bs])
+        first, full = len(seq.hashes), min(len(token_ids) // bs, len(seq.blocks))
+        if full <= first:
+            return
+        tokens = token_ids[first * bs:full * bs]
+        parent = seq.hashes[-1] if seq.hashes else ROOT
+        hashes = block_hashes(tokens, bs, parent)  # one pass over the tokens, not one per block
+        new = [i for i, h in enumerate(hashes) if self._add_hash(seq, h)]
+        if self.on_event is None:
+            return
+        start = 0  # one BlockStored per run of blocks new to this cache (vLLM batches them too)
+        for k in range(1, len(new) + 1):
+            if k == len(new) or new[k] != new[k - 1] + 1:
+                i, j = new[start], new[k - 1] + 1
+                prev = hashes[i - 1] if i else parent
+                self.on_event(BlockStored(block_hashes=hashes[i:j], parent_block_hash=None if prev == ROOT else prev,
+                                          token_ids=list(tokens[i * bs:j * bs]), block_size=bs))
+                start = k
 
     def commit_next(self, request_id: str, block_tokens: Sequence[int]) -> None:
         """Register the request's next full block, whose tokens are `block_tokens` (the same
@@ -159,14 +173,20 @@ class BlockTable:
     def _register(self, seq: _Seq, tokens: Sequence[int]) -> None:
         parent = seq.hashes[-1] if seq.hashes else ROOT
         h = chain(parent, tokens)
+        if self._add_hash(seq, h) and self.on_event is not None:
+            self.on_event(BlockStored(block_hashes=[h], parent_block_hash=None if parent == ROOT else parent,
+                                      token_ids=list(tokens), block_size=self.block_size))
+
+    def _add_hash(self, seq: _Seq, h: int) -> bool:
+        """The request's next block gets hash `h`; True if the cache learnt a new prefix (a
+        twin block may hold it already)."""
         block = seq.blocks[len(seq.hashes)]
         seq.hashes.append(h)
-        if self.prefix_caching and h not in self._block_of:  # a twin block may hold this prefix already
+        if self.prefix_caching and h not in self._block_of:
             self._hash_of[block] = h
             self._block_of[h] = block
-            if self.on_event is not None:
-                self.on_event(BlockStored(block_hashes=[h], parent_block_hash=None if parent == ROOT else parent,
-                                          token_ids=list(tokens), block_size=self.block_size))
+            return True
+        return False
 
     def free(self, request_id: str) -> None:
         """The request is done (finished, aborted, or its hold ended): drop its references."""

@@ -92,6 +92,10 @@ class StepCounters:
 
 
 class SimEngine:
+    # Each request's output key (`request_key`: a hash of its prompt and seed) for `token_at`;
+    # the offline engine draws tokens from the seed alone and turns it off.
+    keyed = True
+
     def __init__(self, cfg: SimConfig, vocab: Vocabulary, step_model: StepModel, table: BlockTable,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
@@ -145,7 +149,8 @@ class SimEngine:
             raise ValueError(f"prompt ({len(prompt)}) exceeds max_num_batched_tokens "
                              f"{self.cfg.max_num_batched_tokens} without chunked prefill")
         base = len(prompt) if remote_tokens is None else max(1, min(remote_tokens, len(prompt)))
-        req = SimRequest(request_id, prompt, sampling, request_key(prompt[:base], sampling), hold=hold, loading=loading,
+        key = request_key(prompt[:base], sampling) if self.keyed else b""
+        req = SimRequest(request_id, prompt, sampling, key, hold=hold, loading=loading,
                          arrival=self.clock(), offset=len(prompt) - base, remote_tokens=remote_tokens)
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -315,7 +320,7 @@ class SimEngine:
                 if not req.output:
                     self.counters.prompt_local_cache_hit += req.cached
                     self.counters.prompt_external += req.external
-                self.table.commit(req.request_id, req.context)
+                self.table.commit(req.request_id, req.context if req.output else req.prompt)
             self._sample(req)
 
     def _sample(self, req: SimRequest) -> None:

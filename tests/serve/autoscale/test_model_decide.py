@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from serve.autoscale.decide import Bounds, Controller, Policy, Targets
 from serve.autoscale.model import (INF, Engine, Load, erlang_c, predict_agg, predict_disagg, quantile, queue_wait,
-                                   z_of)
+                                   wait_law, wait_plus_service, z_of)
 from serve.autoscale.observe import Observation, Pool, Trend
 from serve.sim.timing import LinearStep
 
@@ -26,6 +27,19 @@ def test_queueing_pieces():
     assert 0 < queue_wait(1, 8.0, [0.1], 90) < queue_wait(1, 9.0, [0.1], 90)
     assert quantile([1, 2, 3, 4], 50) == 2.5 and quantile([5], 90) == 5
     assert z_of(90) == pytest.approx(1.2816, abs=1e-3) and z_of(50) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_ttft_is_the_percentile_of_wait_plus_service_not_the_sum_of_percentiles():
+    rng = random.Random(3)
+    service = [0.3 * rng.uniform(0.8, 1.2) for _ in range(500)]
+    pw, drain = wait_law(6, 19.0, service)
+    # Monte Carlo of the same law: no wait with 1 - P(wait), else an exponential wait; plus a service draw.
+    xs = sorted((rng.expovariate(drain) if rng.random() < pw else 0.0) + rng.choice(service) for _ in range(100_000))
+    exact = wait_plus_service(6, 19.0, service, 90)
+    assert exact == pytest.approx(xs[90_000], rel=0.02)
+    assert quantile(service, 90) < exact < queue_wait(6, 19.0, service, 90) + quantile(service, 90)
+    assert wait_plus_service(6, 0.0, service, 90) == pytest.approx(quantile(service, 90))  # nobody waits
+    assert wait_plus_service(1, 10.0, service, 90) == INF  # offered 3 > 1 server
 
 
 def test_more_prefill_workers_cut_ttft_and_more_decode_workers_cut_itl():
