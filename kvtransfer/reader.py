@@ -9,7 +9,9 @@ compatibility, then:
   releases the holder.
 - push: sends `Push` (where the request's local blocks are); the holder WRITEs them and
   NIXL delivers its notification (`notif_tag`) once the bytes have landed; the engine
-  thread watches for it each step. The holder frees its blocks itself after the WRITE.
+  thread watches for it each step, from the moment the load is planned (the notification
+  alone proves the push was accepted: the io thread's "ok" can come later on a busy
+  process). The holder frees its blocks itself after the WRITE.
 
 A load uses push when its request (LoadSpec.mode) or else this engine wants it and the
 holder serves it (`pair_mode`), else pull. A holder that answers "gone" (lease expired), an incompatible or unreachable holder,
@@ -161,7 +163,7 @@ class Reader:
                     pass
         self.start_prepared()
         self._poll_reads(self.agent)
-        if self._pushes or self._cancels:
+        if self._pushes or self._cancels or self._preparing:
             self._poll_pushes(self.agent)
 
     def take_finished(self) -> tuple[set[str], set[str]]:
@@ -230,7 +232,8 @@ class Reader:
         early, self._early = self._early, {}
         for msg, seen in [*early.items(), *fresh]:
             failed = msg.endswith(FAILED_SUFFIX)
-            pushed = self._pushes.pop(msg[:-len(FAILED_SUFFIX)] if failed else msg, None)
+            tag = msg[:-len(FAILED_SUFFIX)] if failed else msg
+            pushed = self._pushes.pop(tag, None) or self._accepted_early(tag)
             if pushed is None:
                 # Not registered yet (kept a read timeout), or given up already (its release was
                 # answered: then it is dropped with the expiry).
@@ -254,6 +257,19 @@ class Reader:
             if fut.done():
                 del self._cancels[rid]
                 self._fail(spec, why)
+
+    def _accepted_early(self, tag: bytes) -> Pushed | None:
+        """A push whose notification came before its io thread saw the holder's "ok" (a busy
+        process can take tens of milliseconds to run that thread): the notification alone
+        proves the holder accepted it, so the load completes now and the io thread's answer
+        is left unread."""
+        for rid, prep in self._preparing.items():
+            if notif_tag(prep.spec.remote.request_id) == tag:
+                del self._preparing[rid]
+                local = self.local
+                nbytes = len(prep.spec.local_block_ids) * local.layout.bytes_per_block if local is not None else 0
+                return Pushed(prep.spec, nbytes, prep.created, prep.created + self.read_timeout_s)
+        return None
 
     def _poll_reads(self, agent: NixlAgent) -> None:
         now = self.clock()

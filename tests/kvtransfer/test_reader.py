@@ -239,3 +239,35 @@ def test_a_notification_before_its_push_is_registered_is_kept_for_it():
     r._poll_pushes(agent)
     assert r.take_finished() == ({"a"}, {"a"}) and r._early == {}
     r.close()
+
+
+def test_a_push_completes_on_its_notification_while_its_io_thread_still_waits_for_the_ok():
+    """A busy process can run the io thread tens of milliseconds late: the notification alone
+    proves the holder accepted the push and the bytes landed, so the engine thread's next
+    step completes the load without waiting for the "ok"."""
+    import threading
+
+    from kvtransfer.protocol import FAILED_SUFFIX, notif_tag
+
+    answered = threading.Event()
+
+    class SlowHolder(Holder):
+        def call(self, msg):
+            reply = super().call(msg)
+            answered.wait(timeout=10)  # the reply is on its way
+            return reply
+
+    holder, clock = SlowHolder(["ok"]), Clock()
+    r = make_reader(holder, clock, mode="push")
+    agent = Notifier()
+    r.agent = agent
+    r.load(spec("a"))
+    r.load(spec("b"))
+    agent.inbox = [notif_tag("a"), notif_tag("b") + FAILED_SUFFIX]
+    r.step()  # the engine thread's poll, with both io threads still waiting
+    assert r.take_finished() == ({"a", "b"}, {"b"}) and r._preparing == {}
+    answered.set()  # the late "ok"s are not used again
+    r.step()
+    assert r.take_finished() == (set(), set())
+    assert (r.stats.reads, r.stats.failures) == (1, 1)
+    r.close()
