@@ -31,6 +31,9 @@ log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
 
 HOLDER_PROGRESS_S = 0.001  # holder-side NIXL progress interval while a read is in flight
 IDLE_WAKE_S = 1.0  # with no read in flight, sweep leases at least this often
+# Progress a little longer after the last transfer ends: what UCX still has to send then
+# (a WRITE's notification) goes out at once, not at the engine's next step.
+PROGRESS_GRACE_S = 0.05
 
 
 class Holder:
@@ -92,6 +95,7 @@ class Holder:
 
     def _progress(self) -> None:
         unpin_thread()  # never compete with the engine thread for its core
+        busy_until = 0.0
         while not self._stopping:
             agent = self.agent
             assert agent is not None
@@ -102,7 +106,9 @@ class Holder:
                     return
                 log.exception("kvtransfer: holder push poll failed")
             self.leases.sweep()
-            if not self.leases.reading() and not self.pusher.busy() and not self.also_busy():
+            if self.leases.reading() or self.pusher.busy() or self.also_busy():
+                busy_until = time.monotonic() + PROGRESS_GRACE_S
+            elif time.monotonic() >= busy_until:
                 self._wake.wait(timeout=IDLE_WAKE_S)
                 self._wake.clear()
                 continue

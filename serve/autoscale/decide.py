@@ -18,7 +18,8 @@ Each interval (`Controller.step`):
 4. Up at once (at most `max(1, max_step_up x current)` workers per interval, counting
    workers still starting as capacity). Down only to `comfortable`, by at most
    `max(1, max_step_down x current)`, once the smaller pool has been enough with margin for
-   `down_sustain_s`, never within `reverse_guard_s` (at least 10 minutes, whatever
+   `down_sustain_s`, never while the trend rises (a scale-down there is soon undone), never
+   within `reverse_guard_s` (at least 10 minutes, whatever
    `cooldown_s` is) of this pool's last scale-up, and at most once per `cooldown_s`.
 Every decision carries the observation, the load it sized for, the candidates it scored
 with their predictions, and its reason (GET /autoscaler shows the last ones).
@@ -67,7 +68,7 @@ class Policy:
     cooldown_s: float = 60.0
     startup_s: float = 60.0
     down_margin: float = 0.8
-    down_sustain_s: float = 120.0
+    down_sustain_s: float = 90.0
     reverse_guard_s: float = MIN_REVERSE_GUARD_S
     max_step_up: float = 2.0
     max_step_down: float = 0.25
@@ -151,6 +152,7 @@ class Controller:
         now_load = self.trend.load(0.0, floor=obs.rate)
         ahead = self.trend.load(pol.startup_s + pol.interval_s, floor=obs.rate)
         load = ahead if ahead.rate >= now_load.rate else now_load
+        rising = ahead.rate > now_load.rate  # the trend: no scale-down on the way up
         current = {p: obs.pools.get(p).provisioned if obs.pools.get(p) else 0 for p in pol.pools}
         desired = dict(current)
         reasons = []
@@ -180,6 +182,9 @@ class Controller:
                 if held < pol.down_sustain_s:
                     reasons.append(f"{p} holds {cur}: {comfortable[p]} would do, for {held:.0f} of "
                                    f"{pol.down_sustain_s:.0f} s")
+                elif rising:
+                    reasons.append(f"{p} holds {cur}: the load is rising ({now_load.rate:.2f} req/s now, "
+                                   f"{ahead.rate:.2f} forecast)")
                 elif obs.t - self.last_up[p] < guard:
                     reasons.append(f"{p} holds {cur}: scaled up {obs.t - self.last_up[p]:.0f} s ago (< {guard:.0f} s)")
                 elif obs.t - self.last_change[p] < pol.cooldown_s:

@@ -114,6 +114,22 @@ def test_a_brief_dip_does_not_scale_down():
     assert pools["prefill"] >= 2
 
 
+def test_no_scale_down_while_the_load_rises():
+    """Oversized pools on a rising load (a day's morning) hold until the trend turns."""
+    c = _controller(cooldown_s=0.0, down_sustain_s=60.0, reverse_guard_s=0.0)
+    pools = {"prefill": 8, "decode": 8}
+    held = []
+    for k in range(1, 13):
+        d = c.step(_obs(30.0 * k, 1.0 + 0.05 * k, pools))  # low, and rising every interval
+        assert not d.changed
+        held.append(d.reason)
+    assert any("rising" in r for r in held)
+    for k in range(13, 30):  # flat, then falling: now it shrinks
+        d = c.step(_obs(30.0 * k, 1.6 - 0.02 * (k - 13), pools))
+        pools = dict(d.desired)
+    assert pools["prefill"] < 8 and pools["decode"] < 8
+
+
 def test_the_worker_cap_trims_additions():
     c = Controller(Policy("disagg", Targets(1.0, 0.05), Bounds(max_prefill=32, max_decode=32, max_workers=5)),
                    {"prefill": ENGINE, "decode": ENGINE})
