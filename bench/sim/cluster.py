@@ -43,6 +43,10 @@ from bench.sim.loop import Loop
 MODEL = "sim"
 
 
+def _ended(flow: Flow) -> None:
+    """A finished flow's `on_done`."""
+
+
 @dataclass
 class Link:
     bandwidth_gbps: float = 0.0  # 0: instant
@@ -365,7 +369,9 @@ class OfflineCluster:
                 self._draining = True
                 self.loop.at(self.loop.now, self._drain)
         self.finished += 1
-        flow.on_done(flow)
+        # Called once, then dropped: its closure holds the prompt (a kept flow must not).
+        done, flow.on_done = flow.on_done, _ended
+        done(flow)
 
     def _drain(self) -> None:
         self._draining = False

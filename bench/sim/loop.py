@@ -31,13 +31,18 @@ class Loop:
         `tick_every` callbacks (progress)."""
         heap = self._heap
         pop = heapq.heappop
-        while heap and heap[0][0] <= until:
-            t, _, fn, args = pop(heap)
-            self.now = t
-            fn(*args)
-            self.events += 1
-            if tick is not None and self.events % tick_every == 0:
-                tick()
+        events = self.events
+        try:
+            while heap and heap[0][0] <= until:  # the simulator's innermost loop: locals only
+                t, _, fn, args = pop(heap)
+                self.now = t
+                fn(*args)
+                events += 1
+                if tick is not None and events % tick_every == 0:
+                    self.events = events
+                    tick()
+        finally:
+            self.events = events
 
     def pending(self) -> int:
         return len(self._heap)
