@@ -150,7 +150,7 @@ def wait_plus_service(c: int, rate: float, service: Sequence[float], percentile:
     """The percentile of (wait + own service), the wait as `wait_law` and independent of the
     service sample: P(W + S > t) = mean over s of P(W > t - s). Adding the two percentiles
     instead overstates it (both tails at once). Bisection on t over at most 256 service
-    quantiles."""
+    quantiles (never below the service's own percentile)."""
     pw, drain = wait_law(c, rate, service)
     if drain == 0.0:
         return INF
@@ -164,10 +164,9 @@ def wait_plus_service(c: int, rate: float, service: Sequence[float], percentile:
     def exceed(t: float) -> float:
         return sum(1.0 if x > t else pw * math.exp(-drain * (t - x)) for x in s) / len(s)
 
-    lo, hi = 0.0, quantile(s, percentile) + queue_wait(c, rate, s, percentile)  # the sum bounds it
-    if exceed(hi) > tail:  # rounding at the bound
-        return hi
-    for _ in range(40):
+    # A bracket: past the longest service plus the wait's own percentile, P(W + S > t) <= tail.
+    lo, hi = 0.0, s[-1] + (math.log(pw / tail) / drain if pw > tail else 0.0)
+    for _ in range(60):
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if exceed(mid) > tail else (lo, mid)
         if hi - lo <= 1e-6 * hi:
