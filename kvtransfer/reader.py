@@ -30,11 +30,10 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
 
 from kvtransfer import faults
 from kvtransfer.errors import HandshakeError, TransferFailed
+from kvtransfer.inflight import Peer, Preparing, Pushed, Read
 from kvtransfer.layout import merge_descriptors
 from kvtransfer.metrics import KvStats
 from kvtransfer.nixl_agent import NixlAgent
@@ -49,46 +48,6 @@ log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
 ACQUIRE_PENDING_RETRY_S = 0.005  # the hold appears at the prefill engine's next step
 SLOW_PREPARE_S = 1.0
 SPIN_S = 0.05  # longest a READ is progressed inline before it is left to the per-step poll
-
-
-@dataclass
-class Read:
-    spec: LoadSpec
-    handle: Any
-    peer: str
-    nbytes: int
-    started: float
-    deadline: float
-    finished_at: float | None = None  # when an inline progress loop saw it complete
-
-
-@dataclass
-class Pushed:
-    """A push the holder accepted: waiting for its notification."""
-
-    spec: LoadSpec
-    nbytes: int
-    started: float  # when the (accepted) Push was sent: the WRITE's time includes the round trip
-    deadline: float
-
-
-@dataclass
-class Peer:
-    """A holder engine this reader has shaken hands with. `agent_name` is set by the engine
-    thread once the NIXL agent is added (NIXL calls stay on that thread)."""
-
-    metadata: EngineMetadata
-    client: SideChannelClient
-    mode: str = "pull"  # how this pair moves blocks (pair_mode)
-    lock: threading.Lock = field(default_factory=threading.Lock)  # REQ sockets are not thread-safe
-    agent_name: str | None = None
-
-
-@dataclass
-class Preparing:
-    spec: LoadSpec
-    future: Future
-    created: float = 0.0  # before the acquire was sent: the read's deadline counts from here
 
 
 class Reader:
@@ -177,9 +136,9 @@ class Reader:
 
     def start_prepared(self) -> None:
         for rid, prep in list(self._preparing.items()):
-            if not prep.future.done():
+            # One push's registration polls notifications, which can complete a later one here.
+            if not prep.future.done() or self._preparing.pop(rid, None) is None:
                 continue
-            del self._preparing[rid]
             try:
                 peer, pushed_at = prep.future.result()
                 if pushed_at is not None:

@@ -271,3 +271,26 @@ def test_a_push_completes_on_its_notification_while_its_io_thread_still_waits_fo
     assert r.take_finished() == (set(), set())
     assert (r.stats.reads, r.stats.failures) == (1, 1)
     r.close()
+
+
+def test_a_push_accepted_early_while_an_earlier_one_registers_is_started_once():
+    """Two pushes answered "ok" in the same step: registering the first polls notifications,
+    and the second's, already here, completes it there. The same step must then not start it
+    again (this crashed the decode engine with a KeyError in the disconnect test)."""
+    from kvtransfer.protocol import notif_tag
+
+    holder, clock = Holder(["ok"]), Clock()
+    r = make_reader(holder, clock, mode="push")
+    agent = Notifier()
+    r.agent = agent
+    for rid in ("a", "b"):
+        r.load(spec(rid))
+        r._preparing[rid].future.exception(timeout=10)  # its "ok" is in
+    agent.inbox = [notif_tag("b")]
+    r.step()
+    assert r.take_finished() == ({"b"}, set()) and r._preparing == {} and list(r._pushes) == [notif_tag("a")]
+    agent.inbox = [notif_tag("a")]
+    r.step()
+    assert r.take_finished() == ({"a"}, set()) and r._pushes == {}
+    assert (r.stats.reads, r.stats.failures) == (2, 0)
+    r.close()
