@@ -241,8 +241,15 @@ class Worker:
         """Drop the engine's prefix cache (benchmarks and tests that need a cold cache)."""
         if self.engine is None:
             return error("no engine", 503)
-        async with asyncio.timeout(HEALTH_TIMEOUT_S):
-            ok = await self.engine.reset_prefix_cache()
+        if self.engine_dead():
+            return error("engine core is dead", 503)
+        try:
+            async with asyncio.timeout(HEALTH_TIMEOUT_S):
+                ok = await self.engine.reset_prefix_cache()
+        except TimeoutError:
+            return error(f"the engine did not reset its prefix cache within {HEALTH_TIMEOUT_S:g} s", 503)
+        except Exception as exc:  # the engine died under us (vLLM's EngineDeadError)
+            return error(f"prefix cache reset failed: {type(exc).__name__}: {exc}", 503)
         return JSONResponse({"reset": ok})
 
     async def get_info(self) -> Response:

@@ -44,6 +44,8 @@ def test_slow_step_stall_transfer_and_kill_on_demand(model_dir):
             assert r.json()["killed"] is True
             assert (await c.client.get(f"{d1}/live")).status_code == 503
             assert (await c.client.get(f"{d1}/health")).status_code == 503
+            for r in (await c.client.get(f"{d1}/load"), await c.client.post(f"{d1}/reset_prefix_cache")):
+                assert r.status_code == 503 and r.json()["error"] == "engine core is dead", r.text
             await c.client.post(f"{d2}/sim/fault", json={"fault": "clear"})
             left = False
             for _ in range(100):  # until the frontend's poller takes it out of rotation
