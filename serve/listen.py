@@ -35,26 +35,35 @@ def _address(host: str, port: int) -> tuple[int, int, int, tuple]:
     return family, kind, proto, addr
 
 
-def late_port(host: str = "127.0.0.1") -> int:
-    """A port that is free now on `host`, for a listener that binds it later."""
+def late_port(host: str = "127.0.0.1", count: int = 1) -> int:
+    """A port that is free now on `host`, for a listener that binds it later; with `count`,
+    the first of that many consecutive ports all free now (e.g. a launcher's base port)."""
     family, kind, proto, addr = _address(host, 0)
+    lo, hi = LATE_PORT_RANGE
     for _ in range(200):
-        port = random.randint(*LATE_PORT_RANGE)
-        if port in _handed:
+        port = random.randint(lo, hi - count + 1)
+        block = range(port, port + count)
+        if any(q in _handed for q in block) or not all(_free(family, kind, proto, addr, q) for q in block):
             continue
-        with socket.socket(family, kind, proto) as s:
-            try:
-                s.bind((addr[0], port, *addr[2:]))
-            except OSError:
-                continue
-        _handed.add(port)
+        _handed.update(block)
         return port
+    if count > 1:
+        raise PdserveError(f"no {count} consecutive free ports on {host} in {lo}-{hi}")
     with socket.socket(family, kind, proto) as s:  # a crowded range: any free port
         try:
             s.bind(addr)
         except OSError as exc:
             raise PdserveError(f"no free port on {host}: {exc.strerror or exc}") from None
         return s.getsockname()[1]
+
+
+def _free(family: int, kind: int, proto: int, addr: tuple, port: int) -> bool:
+    with socket.socket(family, kind, proto) as s:
+        try:
+            s.bind((addr[0], port, *addr[2:]))
+        except OSError:
+            return False
+    return True
 
 
 def bind(host: str, port: int) -> socket.socket:

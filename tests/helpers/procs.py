@@ -16,11 +16,12 @@ LOG_DIR = Path(os.environ.get("PDSERVE_TEST_LOGS", "/tmp/pdserve-test-logs"))
 MODEL = "smollm2-135m-instruct"
 
 
-def free_port() -> int:
-    """A port for a server a test starts (it binds seconds later): below the ephemeral range."""
+def free_port(count: int = 1) -> int:
+    """A port for a server a test starts (it binds seconds later): below the ephemeral range;
+    with `count`, the first of that many consecutive free ports (a launcher's workers)."""
     from serve.listen import late_port
 
-    return late_port("127.0.0.1")
+    return late_port("127.0.0.1", count)
 
 
 class Proc(Child):

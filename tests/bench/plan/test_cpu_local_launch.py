@@ -27,7 +27,7 @@ def test_cpu_local_launch_command_serves(tmp_path):
     assert up[:3] == ["pdserve", "up", "--mode"] and "--kv-cache-dtype" not in up
     port = free_port()
     proc = Proc("plan-launch", [*up[1:], "--engine", "sim", "--port", str(port), "--worker-base-port",
-                                str(free_port())], env={"PDSERVE_CLUSTER_TOKEN": "plan-launch-token"})
+                                str(free_port(8))], env={"PDSERVE_CLUSTER_TOKEN": "plan-launch-token"})
     try:
         proc.wait_http(f"http://127.0.0.1:{port}/health", 120)
         r = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=120,

@@ -6,7 +6,6 @@ stops their processes; the launcher leaves no process behind."""
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 import httpx
@@ -19,25 +18,6 @@ from tests.conftest import MODEL
 from tests.helpers.procs import free_port
 
 TOKENS = 150  # 3 s a stream at 20 ms a step
-
-
-def _ports(n: int) -> int:
-    """The first of `n` consecutive ports free now (the launcher numbers workers from it)."""
-    for _ in range(50):
-        base = free_port()
-        socks = []
-        try:
-            for i in range(n):
-                s = socket.socket()
-                s.bind(("127.0.0.1", base + i))
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports")
 
 
 def _rows(url: str) -> list:
@@ -60,7 +40,7 @@ def _stream(url: str, out: list, i: int, tokens: int = TOKENS) -> None:
 def test_local_actuator_scales_up_and_retires_without_dropping_a_stream(model_dir):
     from serve.cli import build_parser
 
-    fe_port, scaler_port, base = free_port(), free_port(), _ports(8)
+    fe_port, scaler_port, base = free_port(), free_port(), free_port(8)
     args = build_parser().parse_args([
         "up", "--engine", "sim", "--workers", "2", "--autoscale", "--ttft", "500", "--itl", "50",
         "--interval", "3600",  # its own controller stays idle: this test drives an actuator itself
@@ -131,7 +111,7 @@ def test_up_autoscale_follows_the_load_on_its_own(model_dir):
     actuator did."""
     from serve.cli import build_parser
 
-    fe_port, scaler_port, base = free_port(), free_port(), _ports(8)
+    fe_port, scaler_port, base = free_port(), free_port(), free_port(8)
     args = build_parser().parse_args([
         "up", "--engine", "sim", "--workers", "1", "--autoscale", "--ttft", "500", "--itl", "50", "--interval", "2",
         "--max-agg", "4", "--sim-step-model", "constant:0.02", "--max-num-seqs", "2", "--port", str(fe_port),

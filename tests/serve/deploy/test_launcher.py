@@ -29,7 +29,7 @@ def descendants(pid: int) -> set[int]:
 # the real aggregated worker is the session's `agg_worker` (tests/conftest.py).
 @pytest.mark.parametrize("mode", ["disagg"])
 def test_up_serves_then_sigterm_leaves_no_process(model_dir, mode):
-    port, wport = free_port(), free_port()
+    port, wport = free_port(), free_port(2)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log = open(LOG_DIR / f"up-{mode}-{time.time_ns()}.log", "wb")
     layout = ["--workers", "1"] if mode == "agg" else ["--mode", "disagg", "--prefill", "1", "--decode", "1"]

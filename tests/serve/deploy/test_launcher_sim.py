@@ -16,7 +16,7 @@ from tests.conftest import LOG_DIR, MODEL, ROOT, free_port
 
 
 def test_up_with_simulated_workers_serves_disaggregated_then_stops_everything(model_dir):
-    port, base = free_port(), free_port()
+    port, base = free_port(), free_port(7)
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     log_path = LOG_DIR / f"up-sim-{time.time_ns()}.log"
     child = procs.Child("up-sim", [sys.executable, "-m", "serve.cli", "up", "--engine", "sim", "--mode", "disagg",

@@ -66,6 +66,22 @@ def test_late_ports_are_below_the_ephemeral_range_free_and_never_repeated():
             s.bind(("127.0.0.1", port))
 
 
+def test_a_block_of_late_ports_is_free_whole_and_never_handed_again(monkeypatch):
+    """A launcher's base port: all `count` ports free now, none handed out again."""
+    base = listen.late_port("127.0.0.1", 7)
+    with socket.socket() as taken:  # a port inside the next draw's block is in use: skipped
+        taken.bind(("127.0.0.1", base + 20))
+        draws = iter([base + 17, base + 30])
+        monkeypatch.setattr(listen.random, "randint", lambda lo, hi: next(draws))
+        assert listen.late_port("127.0.0.1", 7) == base + 30
+    for port in range(base, base + 7):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))
+    draws = iter([base + 3] * 200)
+    with pytest.raises(PdserveError, match="no 7 consecutive free ports"):
+        listen.late_port("127.0.0.1", 7)  # every draw overlaps a block already handed out
+
+
 def test_late_ports_follow_the_host_family_and_an_unknown_host_is_a_clear_error():
     port = listen.late_port("::1")  # an IPv6 host: an IPv6 socket, not a crash
     with socket.socket(socket.AF_INET6) as s:
