@@ -117,7 +117,7 @@ class PdConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdConnectorMetadata:
         assert self._scheduler is not None
-        return self._scheduler.build_connector_meta()
+        return self._scheduler.build_connector_meta(idle=scheduler_output.total_num_scheduled_tokens == 0)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None

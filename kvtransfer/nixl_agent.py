@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -41,6 +41,7 @@ class NixlAgent:
         self._agent.register_memory([(a, n, layout.device_id, "") for a, n in self.spans], layout.device)
         self._inbox: list[bytes] = []
         self._inbox_lock = threading.Lock()
+        self.on_notifs: Callable[[], None] | None = None  # called (on the progressing thread) when some arrive
 
     def metadata(self) -> bytes:
         """What a peer needs to add this agent (sent in the handshake)."""
@@ -54,6 +55,8 @@ class NixlAgent:
             with self._inbox_lock:
                 for msgs in notifs.values():
                     self._inbox.extend(msgs)
+            if self.on_notifs is not None:
+                self.on_notifs()
 
     def take_notifs(self) -> list[bytes]:
         """The notifications received since the last call (after one progress call)."""

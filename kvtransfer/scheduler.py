@@ -36,6 +36,7 @@ class PdConnectorMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     holds: dict[str, tuple[int, float]] = field(default_factory=dict)  # request -> (blocks, lease s)
     releases: list[TransferParams] = field(default_factory=list)  # remote holds to free unread
+    idle: bool = False  # the step computes nothing: it may wait for a transfer instead of spinning
 
 
 class PdScheduler:
@@ -105,7 +106,7 @@ class PdScheduler:
                                 lease_seconds=self.lease_seconds)
         return True, to_vllm_params(params)
 
-    def build_connector_meta(self) -> PdConnectorMetadata:
-        meta = PdConnectorMetadata(loads=self._loads, holds=self._holds, releases=self._releases)
+    def build_connector_meta(self, idle: bool = False) -> PdConnectorMetadata:
+        meta = PdConnectorMetadata(loads=self._loads, holds=self._holds, releases=self._releases, idle=idle)
         self._loads, self._holds, self._releases = [], {}, []
         return meta

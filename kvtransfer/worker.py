@@ -39,6 +39,10 @@ from kvtransfer.stats import PdKVStats
 
 log = logging.getLogger("vllm.pdserve.kvtransfer.worker")
 
+# An engine step that computes nothing, while loads are pending, waits up to this long for
+# one of them to move on (a READ's completion is polled, not signalled: hence short).
+IDLE_WAIT_S = 0.002
+
 
 @dataclass
 class WorkerConfig:
@@ -72,6 +76,7 @@ class PdWorker:
                              token=self._token, clock=clock, mode=cfg.transfer_mode)
         # The holder's progress thread also runs while this engine's own READs are in flight.
         self.holder = Holder(self.leases, also_busy=self.reader.reading)
+        self._idle = False  # this step's (PdConnectorMetadata.idle)
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -103,6 +108,7 @@ class PdWorker:
             self.stats.requests_held += 1
         for remote in meta.releases:
             self.reader.release(remote)
+        self._idle = meta.idle
         for spec in meta.loads:
             self.reader.load(spec)
         self.reader.start_prepared()
@@ -116,6 +122,8 @@ class PdWorker:
         self.reader.step()
         if self.reader.reading():
             self.holder.wake()
+        if self._idle and self.reader.idle_wait(IDLE_WAIT_S):
+            self.reader.step()
         settled = self.leases.settle(finished_req_ids)
         self.stats.held_blocks = settled.held_blocks
         self.stats.blocks_released += settled.blocks_released

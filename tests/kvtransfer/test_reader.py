@@ -294,3 +294,54 @@ def test_a_push_accepted_early_while_an_earlier_one_registers_is_started_once():
     assert r.take_finished() == ({"a"}, set()) and r._pushes == {}
     assert (r.stats.reads, r.stats.failures) == (2, 0)
     r.close()
+
+
+def test_an_idle_step_waits_for_an_answer_instead_of_spinning():
+    """A step that computes nothing blocks (up to its timeout) until a pending load's acquire or
+    push is answered; with nothing pending, or a load already finished, it returns at once."""
+    import threading
+
+    answer = threading.Event()
+
+    class SlowHolder(Holder):
+        def call(self, msg):
+            answer.wait(timeout=10)
+            return super().call(msg)
+
+    r = make_reader(SlowHolder(["ok"]), Clock(), mode="push")
+    assert r.idle_wait(10.0) is False  # nothing pending
+    r.load(spec("a"))
+    assert r.idle_wait(0.01) is False  # not answered: the timeout
+    threading.Timer(0.05, answer.set).start()
+    assert r.idle_wait(10.0) is True and r._preparing["a"].future.done()
+    r._done_recving.add("x")
+    assert r.idle_wait(10.0) is False  # a load to report: no waiting
+    r.close()
+
+
+def test_a_notification_wakes_an_idle_step():
+    """The holder's progress thread takes in a push's notification: that wakes the engine
+    thread's idle wait."""
+    import threading
+
+    from kvtransfer.nixl_agent import NixlAgent
+
+    class Nixl:  # nixl's agent, as far as progress() calls it
+        def __init__(self) -> None:
+            self.notifs: dict[str, list[bytes]] = {}
+
+        def get_new_notifs(self) -> dict[str, list[bytes]]:
+            out, self.notifs = self.notifs, {}
+            return out
+
+    r = make_reader(Holder(["ok"]), Clock(), mode="push")
+    agent = NixlAgent.__new__(NixlAgent)  # no NIXL here: its inbox only
+    agent._agent, agent._inbox, agent._inbox_lock, agent.on_notifs = Nixl(), [], threading.Lock(), None
+    r.attach(agent, r.local)
+    r._pushes[b"t"] = object()  # a push awaited
+    agent.progress()
+    assert r.idle_wait(0.01) is False  # nothing arrived
+    agent._agent.notifs = {"p": [b"t"]}
+    agent.progress()
+    assert r.idle_wait(10.0) is True and agent.take_notifs() == [b"t"]
+    r.close()
