@@ -40,6 +40,8 @@ def late_port(host: str = "127.0.0.1", count: int = 1) -> int:
     the first of that many consecutive ports all free now (e.g. a launcher's base port)."""
     family, kind, proto, addr = _address(host, 0)
     lo, hi = LATE_PORT_RANGE
+    if not 1 <= count <= hi - lo:
+        raise PdserveError(f"cannot hand out {count} consecutive ports (1 to {hi - lo})")
     for _ in range(200):
         port = random.randint(lo, hi - count + 1)
         block = range(port, port + count)

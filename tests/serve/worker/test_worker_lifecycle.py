@@ -80,6 +80,8 @@ def test_a_block_of_late_ports_is_free_whole_and_never_handed_again(monkeypatch)
     draws = iter([base + 3] * 200)
     with pytest.raises(PdserveError, match="no 7 consecutive free ports"):
         listen.late_port("127.0.0.1", 7)  # every draw overlaps a block already handed out
+    with pytest.raises(PdserveError, match="cannot hand out 0 consecutive ports"):
+        listen.late_port("127.0.0.1", 0)
 
 
 def test_late_ports_follow_the_host_family_and_an_unknown_host_is_a_clear_error():
