@@ -127,13 +127,16 @@ def kill_decode_share(frontend: str, share: float, headers: dict[str, str]) -> l
 
 
 def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port: int,
-             duration_s: float | None = None) -> dict[str, Any]:
+             duration_s: float | None = None, extend_s: float = 0.0) -> dict[str, Any]:
     from bench.sim.profiles import planner_profile
 
     s = scaled(SCENARIOS[name])
     if duration_s is not None:  # a shorter run of the same shape (smoke checks)
         s = Scenario(s.name, min(s.duration_s, duration_s), s.rate, s.isl, s.osl, s.events_s,
                      s.kill_decode_share_at, s.describe + f", first {duration_s:g} s")
+    if extend_s > 0:  # the load goes on as after the last event: the scale-down that follows it
+        s = Scenario(s.name, s.duration_s + extend_s, s.rate, s.isl, s.osl, s.events_s, s.kill_decode_share_at,
+                     s.describe + f", {extend_s / 60:g} min longer")
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     profile = d / "profile.json"
@@ -151,6 +154,9 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
               # the frontend's wall-clock timeouts stretched with the engine (a prefill queue that lasts
               # 15 s at speed 1 lasts 60 s here)
               "--prefill-timeout", str(60 * SLOWDOWN), "--worker-read-timeout", str(120 * SLOWDOWN),
+              # admission as offline (bench/sim/scenarios.py): the engines queue, the frontend does not
+              "--max-concurrent-requests", "100000", "--max-queued-requests", "100000",
+              "--queue-timeout", str(60 * SLOWDOWN),
               "--kv-cache-gib", "8",  # bookkeeping only for simulated workers: room to hold 4,000-token prompts
               "--ready-timeout", "600", "--log-level", "warning"]
     token = secrets.token_hex(16)  # the cluster's: /internal/workers needs it
@@ -258,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worker-base-port", type=int, default=18000, help="first worker port; 100 are used (default: 18000)")
     p.add_argument("--autoscale-port", type=int, default=8490)
     p.add_argument("--duration-s", type=float, default=None, help="run only the first S seconds of each scenario")
+    p.add_argument("--extend-s", type=float, default=0.0,
+                   help="run each scenario S seconds longer, its load going on as after its last event (a burst's "
+                        "scale-down comes 10 min after its scale-up; default: 0)")
     args = p.parse_args(argv)
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the stack started here is stopped
     signal.signal(signal.SIGTERM, _interrupt)
@@ -268,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     rows = []
     for name in args.names:
-        rows.append(run_live(name, args.out, args.port, args.worker_base_port, args.autoscale_port, args.duration_s))
+        rows.append(run_live(name, args.out, args.port, args.worker_base_port, args.autoscale_port, args.duration_s,
+                             args.extend_s))
         print(table(rows[-1:]), flush=True)
     (args.out / "live.md").write_text(table(rows) + "\n")
     print(table(rows))

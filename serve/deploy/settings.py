@@ -75,6 +75,15 @@ class UpSettings:
         u.add_argument("--worker-read-timeout", type=float, default=None, metavar="S",
                        help="the frontend's --worker-read-timeout: seconds without a token from a worker before the "
                             "request fails (default: the frontend's, 120)")
+        u.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                       help="the frontend's --max-concurrent-requests: requests served at once (default: the "
+                            "frontend's, 512)")
+        u.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                       help="the frontend's --max-queued-requests: requests waiting for a slot (default: the "
+                            "frontend's, 512)")
+        u.add_argument("--queue-timeout", type=float, default=None, metavar="S",
+                       help="the frontend's --queue-timeout: seconds a request may wait for a slot (default: the "
+                            "frontend's, 60)")
         u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
         u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
         u.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -124,9 +133,22 @@ class UpSettings:
                    worker_base_port=args.worker_base_port, model=args.model,
                    served_model_name=args.served_model_name, kv_cache_gib=args.kv_cache_gib,
                    ready_timeout_s=args.ready_timeout, log_level=args.log_level,
-                   frontend_args=flags.router_flags(args) + (
-                       [] if args.worker_read_timeout is None else ["--worker-read-timeout",
-                                                                    str(args.worker_read_timeout)]),
+                   frontend_args=flags.router_flags(args) + _frontend_passthrough(args),
                    worker_args=worker_args, role_args=role_args,
                    engine=args.engine, autoscale=autoscaled.settings_from_args(args))
 
+
+
+def _frontend_passthrough(args: argparse.Namespace) -> list[str]:
+    """The frontend flags `pdserve up` passes on as given (unset: the frontend's defaults)."""
+    out: list[str] = []
+    for flag, value, lowest in (("--worker-read-timeout", args.worker_read_timeout, 0),
+                                ("--max-concurrent-requests", args.max_concurrent_requests, 1),
+                                ("--max-queued-requests", args.max_queued_requests, 0),
+                                ("--queue-timeout", args.queue_timeout, 0)):
+        if value is None:
+            continue
+        if value < lowest:
+            raise PdserveError(f"{flag} {value:g}: must be >= {lowest}")
+        out += [flag, str(value)]
+    return out

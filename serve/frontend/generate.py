@@ -136,8 +136,9 @@ class Generation:
                                 event.cached_tokens = prefill_cached
                             yield event
                     return
-                except (httpx.ConnectError, WorkerRefused) as exc:
-                    # Nothing reached the engine (unreachable; or refused: draining, engine not up):
+                except (httpx.ConnectError, httpx.ConnectTimeout, WorkerRefused) as exc:
+                    # Nothing reached the engine (unreachable, or no connection within the connect
+                    # timeout: a host too busy to accept; or refused: draining, engine not up):
                     # another worker may take it, with the same prompt, token and transfer params.
                     handed_over = kv_transfer is None
                     if isinstance(exc, WorkerRefused):
@@ -260,7 +261,7 @@ class Generation:
                 return Prefilled(params, cached, tokens[:1], reason)
         except TimeoutError:
             return "timeout"
-        except httpx.ConnectError:
+        except (httpx.ConnectError, httpx.ConnectTimeout):  # no connection: nothing was sent
             self.pool.report_failure(worker.url)
             return "unreachable"
         except (WorkerError, httpx.HTTPError, msgspec.DecodeError) as exc:

@@ -102,3 +102,28 @@ def test_kv_cache_is_sized_in_whole_gib_to_fit_memory(capsys):
     for argv in (["worker", "--kv-cache-gib", "0.5"], ["up", "--kv-cache-gib", "1.5"]):
         assert main(argv) == 2
         assert "whole number of GiB" in capsys.readouterr().err
+
+
+def test_up_passes_the_frontend_admission_flags_on(capsys):
+    """`pdserve up --max-concurrent-requests/--max-queued-requests/--queue-timeout` reach the
+    frontend's command line as given; unset, the frontend keeps its defaults; a bad value is a
+    one-line error before anything starts."""
+    import argparse
+
+    from serve.cli import main
+    from serve.deploy.settings import UpSettings
+
+    def settings(*extra: str) -> UpSettings:
+        parser = argparse.ArgumentParser()
+        UpSettings.add_arguments(parser)
+        return UpSettings.from_args(parser.parse_args(["--engine", "sim", *extra]))
+
+    args = settings("--max-concurrent-requests", "100000", "--max-queued-requests", "0", "--queue-timeout", "240",
+                    "--worker-read-timeout", "480").frontend_args
+    pairs = dict(zip(args[::2], args[1::2]))
+    assert pairs["--max-concurrent-requests"] == "100000" and pairs["--max-queued-requests"] == "0"
+    assert pairs["--queue-timeout"] == "240.0" and pairs["--worker-read-timeout"] == "480.0"
+    assert not {"--max-concurrent-requests", "--queue-timeout"} & set(settings().frontend_args)
+    assert main(["up", "--engine", "sim", "--max-concurrent-requests", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--max-concurrent-requests 0: must be >= 1" in err and len(err.strip().splitlines()) == 1

@@ -1,11 +1,12 @@
 """Routing end to end against simulated workers (real frontend, real HTTP, real KV events
 and side channel): prefix affinity through the workers' KV events, the explain dry run,
 conditional disaggregation, the filter stage (KV layout compatibility), a retry after a
-connection error, and a deployment without prefill workers."""
+connection error or a connect timeout, and a deployment without prefill workers."""
 
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import time
 
@@ -150,6 +151,56 @@ def test_a_connection_error_is_retried_on_another_worker(model_dir):
         assert answer["choices"][0]["message"]["content"]
         rows = {w["url"]: w for w in httpx.get(f"{c.url}/internal/workers").json()["workers"]}
         assert rows[dead]["failures"] >= 1  # it was tried, and failed at connect
+
+
+def _blackhole(port: int) -> list[socket.socket]:
+    """A listener on `port` whose accept queue is full and never drained: the kernel drops
+    further SYNs, so a connect there times out (a host too busy to accept)."""
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    lsock.bind(("127.0.0.1", port))
+    lsock.listen(0)
+    fillers = []
+    for _ in range(2):
+        f = socket.socket()
+        f.setblocking(False)
+        f.connect_ex(("127.0.0.1", port))
+        fillers.append(f)
+    time.sleep(0.2)
+    return [lsock, *fillers]
+
+
+def test_a_connect_timeout_is_retried_on_another_worker(model_dir):
+    """A worker whose host does not accept the connection within the connect timeout (seen
+    live with 80 workers on two cores) got nothing: the request goes to another worker."""
+    with ThreadedSimCluster(model_dir, ["agg", "agg"], engine_flags=FLAGS,
+                            frontend={"max_poll_failures": 1000, "poll_interval_s": 30,
+                                      "worker_connect_timeout_s": 0.5}) as c:
+        busy = {"model": MODEL, "messages": FRANCE, "max_tokens": 2000, "ignore_eos": True}
+        with httpx.stream("POST", f"{c.url}/v1/chat/completions", json={**busy, "stream": True}, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)
+            loaded = {w["url"]: w["inflight"] for w in httpx.get(f"{c.url}/internal/workers").json()["workers"]}
+            busy_url = next(u for u, n in loaded.items() if n == 1)
+            stuck = next(u for u in c.urls("agg") if u != busy_url)
+            c.kill(stuck)
+            socks = _blackhole(int(stuck.rsplit(":", 1)[1]))
+            try:
+                with socket.socket() as probe:  # the premise: a connect there does time out
+                    probe.settimeout(0.3)
+                    try:
+                        probe.connect(("127.0.0.1", int(stuck.rsplit(":", 1)[1])))
+                        raise AssertionError("the blackhole accepted a connection")
+                    except TimeoutError:
+                        pass
+                assert stuck in c.in_rotation()
+                answer = chat(c.url, FRANCE)
+            finally:
+                for s in socks:
+                    s.close()
+        assert answer["choices"][0]["message"]["content"]
+        rows = {w["url"]: w for w in httpx.get(f"{c.url}/internal/workers").json()["workers"]}
+        assert rows[stuck]["failures"] >= 1  # it was tried, and timed out at connect
 
 
 def test_a_draining_worker_s_refusal_is_retried_on_another_worker(model_dir):
