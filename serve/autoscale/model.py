@@ -13,9 +13,12 @@ Disaggregated (P prefill, D decode workers):
   With P at utilisation >= 1 the prediction is infinite.
 - Decode: by Little's law a decode worker holds n = rate x (OSL - 1) x ITL / D requests; ITL is
   the step of n contexts at ISL + OSL/2, solved as a fixed point; its percentile adds the
-  Poisson spread of n (n + z sqrt(n)) and the longest contexts. When n + z sqrt(n) passes
-  `max_num_seqs` (or n the KV blocks), requests at the percentile wait for a slot, their
-  next token with them: the prediction is infinite.
+  Poisson spread of n (n + z sqrt(n), at most the slots) and the longest contexts. A worker
+  has c slots (`max_num_seqs`, fewer when its KV holds fewer whole requests): a request
+  that finds them full waits for one, an M/G/c queue whose service is a request's OSL - 1
+  steps. The wait comes between the first token (the prefill's, streamed at once) and the
+  second, so it adds wait / (OSL - 1) to the request's inter-token latency as clients
+  measure it. With n >= c the queue grows without bound: the prediction is infinite.
 Aggregated (A workers): each one takes rate / A; a share f of its steps carries a prompt
 (mixed), the rest decode only (as the planner's aggregated model); ITL's percentile is the
 mixed step once more than (100 - percentile)% of steps are mixed; TTFT is an M/G/1 wait for
@@ -174,14 +177,20 @@ def wait_plus_service(c: int, rate: float, service: Sequence[float], percentile:
     return hi
 
 
-def _decode_itl(e: Engine, per_worker_rate: float, osl: float, ctx: float, z: float = 0.0) -> float:
-    """The decode step time n requests in flight give, n = rate x (OSL - 1) x ITL (fixed point);
-    infinite when n, plus z standard deviations of its Poisson spread, outgrows the slots."""
+def decode_slots(e: Engine, isl_mean: float, osl_mean: float) -> int:
+    """Requests a decode worker serves at once: its batch cap, or the whole requests
+    (prompt and answer) its KV holds, whichever is fewer."""
+    return int(min(e.max_num_seqs, e.kv_tokens // max(1.0, isl_mean + osl_mean)))
+
+
+def _decode_itl(e: Engine, per_worker_rate: float, osl: float, ctx: float, slots: int) -> float:
+    """The decode step time n requests in flight give, n = rate x (OSL - 1) x ITL (a fixed
+    point, the batch at most `slots`); infinite when the slots cannot keep up (n >= slots)."""
+    if slots < 1 or per_worker_rate * max(osl - 1, 1) * e.decode_s(slots, ctx) >= slots:
+        return INF  # even a full batch finishes requests slower than they come: the slot queue grows
     itl = e.decode_s(1, ctx)
     for _ in range(50):
-        n = per_worker_rate * max(osl - 1, 1) * itl
-        if n + z * math.sqrt(n) > e.max_num_seqs or n * (ctx + osl / 2) > e.kv_tokens:
-            return INF  # at the percentile, requests would wait for a slot (their next token with them)
+        n = min(per_worker_rate * max(osl - 1, 1) * itl, slots)
         nxt = e.decode_s(n, ctx)
         if abs(nxt - itl) <= 1e-6 * itl:
             return nxt
@@ -196,17 +205,24 @@ def predict_disagg(prefill: Engine, decode: Engine, p: int, d: int, load: Load, 
     service = [prefill.prefill_s(x) for x in isl]
     wait = queue_wait(p, load.rate, service, percentile)
     ttft = wait_plus_service(p, load.rate, service, percentile)
-    ctx = load.isl_mean + load.osl_mean / 2
-    itl_mean = _decode_itl(decode, load.rate / d, load.osl_mean, ctx, z_of(percentile))
+    osl_mean = max(load.osl_mean, 1.0)
+    ctx = load.isl_mean + osl_mean / 2
+    slots = decode_slots(decode, load.isl_mean, osl_mean)
+    per_worker = load.rate / d
+    itl_mean = _decode_itl(decode, per_worker, osl_mean, ctx, slots)
     if itl_mean == INF:
-        return Prediction(ttft, INF, {"prefill_wait_s": wait})
-    n = load.rate / d * max(load.osl_mean - 1, 1) * itl_mean
+        return Prediction(ttft, INF, {"prefill_wait_s": wait, "decode_slots": slots})
+    n = per_worker * max(osl_mean - 1, 1) * itl_mean
     n_hi = n + z_of(percentile) * math.sqrt(max(n, 0.0))
     ctx_hi = quantile(isl, percentile) + quantile(osl, percentile) / 2
-    itl = decode.decode_s(min(n_hi, decode.max_num_seqs), max(ctx, ctx_hi * 0.5 + ctx * 0.5))
+    step = decode.decode_s(min(n_hi, slots), max(ctx, ctx_hi * 0.5 + ctx * 0.5))
+    # The wait for a slot: each request holds one for its OSL - 1 steps.
+    slot_wait = queue_wait(slots, per_worker, [max(x - 1, 1) * itl_mean for x in osl], percentile)
+    itl = step + slot_wait / max(osl_mean - 1, 1)
     rho_p = load.rate * (sum(service) / len(service)) / p
     return Prediction(ttft, max(itl, itl_mean), {"prefill_wait_s": wait, "prefill_utilisation": rho_p,
-                                                 "decode_batch": n, "itl_mean_s": itl_mean})
+                                                 "decode_batch": n, "itl_mean_s": itl_mean,
+                                                 "decode_slot_wait_s": slot_wait, "decode_slots": slots})
 
 
 def predict_agg(e: Engine, a: int, load: Load, percentile: float, chunked: bool = True) -> Prediction:

@@ -55,6 +55,29 @@ def test_more_prefill_workers_cut_ttft_and_more_decode_workers_cut_itl():
     assert all(x.itl_s < INF for x in a[1:])
 
 
+def test_a_decode_worker_near_its_slots_queues_for_them_before_it_is_infeasible():
+    """Requests that find a decode worker's slots full wait for one (M/G/c, a slot held for
+    OSL - 1 steps): the wait, spread over the request's tokens, raises ITL as the slots fill;
+    only a full batch that finishes requests slower than they come is infeasible. The KV
+    holds fewer whole requests than max_num_seqs: it sets the slots."""
+    from serve.autoscale.model import decode_slots
+
+    e = Engine(STEP, max_num_seqs=16)
+    load = lambda r: Load(r, [2000] * 50, [200] * 50)  # noqa: E731
+    step16 = e.decode_s(16, 2100)
+    saturation = 16 / (199 * step16)  # req/s one worker's 16 slots finish at full batch
+    low, mid, high = (predict_disagg(e, e, 100, 1, load(saturation * f), 90) for f in (0.3, 0.8, 0.97))
+    assert low.detail["decode_slot_wait_s"] == 0.0 and low.itl_s < mid.itl_s < high.itl_s < INF
+    assert high.detail["decode_slot_wait_s"] > 0
+    # the wait is spread over the request's OSL - 1 inter-token gaps, on top of the step
+    assert high.itl_s >= high.detail["decode_slot_wait_s"] / 199
+    assert predict_disagg(e, e, 100, 1, load(saturation * 1.01), 90).itl_s == INF
+    assert predict_disagg(e, e, 100, 2, load(saturation * 1.01), 90).itl_s < INF  # two workers: half each
+    small_kv = Engine(STEP, max_num_seqs=16, kv_tokens=4 * 2200)
+    assert decode_slots(small_kv, 2000, 200) == 4 and decode_slots(e, 2000, 200) == 16
+    assert predict_disagg(small_kv, small_kv, 100, 1, load(saturation * 0.5), 90).itl_s == INF  # 4 slots, not 16
+
+
 def test_trend_follows_a_ramp_within_bounds():
     t = Trend()
     for k, rate in enumerate((10, 12, 14, 16)):
