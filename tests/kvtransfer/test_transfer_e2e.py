@@ -106,13 +106,19 @@ def expected_blocks(ps: list[list[int]]) -> list[int]:
     return out
 
 
+def transfer_log(text: str) -> list[str]:
+    """The decode worker's per-load lines (each READ with its blocks, each failure with its reason)."""
+    return [line.split("kvtransfer: ", 1)[1] for line in text.splitlines()
+            if "kvtransfer: read " in line or "kvtransfer: load of " in line]
+
+
 def block_bytes(kind: str) -> int:
     layers, kv_heads, head_dim = 30, 3, 64
     return layers * kv_heads * BLOCK * head_dim * 2 * (1 if kind == "fp8" else 2)
 
 
 def test_transfer_matches_engine_alone_and_moves_the_kv(pair, tokenizer):
-    kind, purl, durl, _ = pair
+    kind, purl, durl, dproc = pair
     ps = prompts(tokenizer)
     assert len(ps) >= 14 and sorted({len(p) for p in ps}) == sorted({len(p) for p in ps})
     d0 = metrics(durl)
@@ -125,16 +131,22 @@ def test_transfer_matches_engine_alone_and_moves_the_kv(pair, tokenizer):
         assert dec.error is None, dec
         assert dec.tokens[0] == pre.tokens[0]  # the prefill's first token agrees
         via_transfer.append(dec.tokens)
+    # The engine reports its connector's counters with a step's output: wait (bounded) for
+    # every load to be counted, read or failed, before comparing.
+    loads = ("pdserve_kv_reads_total", "pdserve_kv_transfer_failures_total")
+    wait_for(lambda: sum(metric(metrics(durl), k) - metric(d0, k) for k in loads) >= len(ps), 10,
+             f"{len(ps)} loads counted by the decode worker")
     d1 = metrics(durl)
+    log = transfer_log(dproc.log_path.read_text())  # the worker's own account, for the messages below
+    assert metric(d1, "pdserve_kv_transfer_failures_total") == metric(d0, "pdserve_kv_transfer_failures_total"), log
+    assert metric(d1, "pdserve_kv_recomputes_total") == metric(d0, "pdserve_kv_recomputes_total"), log
+    assert metric(d1, "pdserve_kv_reads_total") - metric(d0, "pdserve_kv_reads_total") == len(ps), log
 
     want_blocks = expected_blocks(ps)
     assert metric(d1, "pdserve_kv_blocks_transferred_total") - metric(d0, "pdserve_kv_blocks_transferred_total") \
-        == sum(want_blocks)
+        == sum(want_blocks), (want_blocks, log)
     assert metric(d1, "pdserve_kv_bytes_transferred_total") - metric(d0, "pdserve_kv_bytes_transferred_total") \
         == sum(want_blocks) * block_bytes(kind)
-    assert metric(d1, "pdserve_kv_reads_total") - metric(d0, "pdserve_kv_reads_total") == len(ps)
-    assert metric(d1, "pdserve_kv_recomputes_total") == metric(d0, "pdserve_kv_recomputes_total")
-    assert metric(d1, "pdserve_kv_transfer_failures_total") == metric(d0, "pdserve_kv_transfer_failures_total")
     # No silent recompute: the decode engine computed at most the last partial block of each prompt.
     computed = (metric(d1, "vllm:prompt_tokens_by_source_total", source="local_compute")
                 - metric(d0, "vllm:prompt_tokens_by_source_total", source="local_compute"))
