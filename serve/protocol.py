@@ -190,7 +190,8 @@ class RequestSample(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 class RequestsReply(msgspec.Struct, frozen=True, kw_only=True):
     """`GET /internal/requests?since=N`: the samples after N (oldest first), the next `since`,
     how many older ones the frontend no longer keeps, its arrivals counter (every request it
-    admitted, finished or not) and what is queued or in flight now."""
+    admitted, finished or not) and what is queued or in flight now, and how many split requests
+    wait in its prefill gate (part of the prefill pool's backlog)."""
 
     samples: list[RequestSample]
     next: int
@@ -198,6 +199,7 @@ class RequestsReply(msgspec.Struct, frozen=True, kw_only=True):
     arrivals: int = 0
     in_flight: int = 0
     queued: int = 0
+    prefill_held: int = 0  # split requests waiting in the frontend for a prefill worker with room
 
 
 class StepRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -46,6 +46,11 @@ MAX_NUM_SEQS = 4  # decode slots per worker: a small batch, so the box's traffic
 # generator. Start-up, intervals, cool-down and the 10-minute hold stay in wall-clock time.
 SLOWDOWN = 4.0
 SERVED = "smollm2-135m-instruct"
+# Prefills one prefill worker gets at once (`--max-prefills-per-worker`): four ~4,000-token
+# prompts (two 2,048-token steps each), so a worker never idles between two. Without a cap a burst's backlog
+# stayed queued on the two workers there before it (2026-12-06: 151 prompts waited the 240 s
+# prefill timeout there and fell back to a local prefill while 16 new prefill workers idled).
+PREFILLS_PER_WORKER = 4
 
 
 def scaled(s: Scenario) -> Scenario:
@@ -157,6 +162,9 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
               # admission as offline (bench/sim/scenarios.py): the engines queue, the frontend does not
               "--max-concurrent-requests", "100000", "--max-queued-requests", "100000",
               "--queue-timeout", str(60 * SLOWDOWN),
+              # prefills beyond PREFILLS_PER_WORKER a worker wait in the frontend, so workers started
+              # for a burst take part of its backlog (serve/frontend/prefillgate.py)
+              "--max-prefills-per-worker", str(PREFILLS_PER_WORKER),
               "--kv-cache-gib", "8",  # bookkeeping only for simulated workers: room to hold 4,000-token prompts
               "--ready-timeout", "600", "--log-level", "warning"]
     token = secrets.token_hex(16)  # the cluster's: /internal/workers needs it

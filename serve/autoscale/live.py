@@ -72,6 +72,8 @@ class LiveObserver:
             obs.arrivals += 0 if first else max(0, reply.arrivals - self.arrivals[fe])
             self.arrivals[fe], self.since[fe] = reply.arrivals, reply.next
             obs.queued += reply.queued
+            if "prefill" in obs.pools:  # held in the frontend for a prefill worker: that pool's backlog
+                obs.pools["prefill"].waiting += reply.prefill_held
             for s in reply.samples:
                 if first:
                     continue  # before the autoscaler was looking: history, not this interval

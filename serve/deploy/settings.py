@@ -84,6 +84,9 @@ class UpSettings:
         u.add_argument("--queue-timeout", type=float, default=None, metavar="S",
                        help="the frontend's --queue-timeout: seconds a request may wait for a slot (default: the "
                             "frontend's, 60)")
+        u.add_argument("--max-prefills-per-worker", type=int, default=None, metavar="N",
+                       help="the frontend's --max-prefills-per-worker: prefills one prefill worker gets at once, the "
+                            "rest wait in the frontend for a worker with room (default: the frontend's, 0: no limit)")
         u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
         u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
         u.add_argument("--api-key", action="append", default=[], metavar="KEY",
@@ -145,7 +148,8 @@ def _frontend_passthrough(args: argparse.Namespace) -> list[str]:
     for flag, value, lowest in (("--worker-read-timeout", args.worker_read_timeout, 0),
                                 ("--max-concurrent-requests", args.max_concurrent_requests, 1),
                                 ("--max-queued-requests", args.max_queued_requests, 0),
-                                ("--queue-timeout", args.queue_timeout, 0)):
+                                ("--queue-timeout", args.queue_timeout, 0),
+                                ("--max-prefills-per-worker", args.max_prefills_per_worker, 0)):
         if value is None:
             continue
         if value < lowest:

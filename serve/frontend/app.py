@@ -33,6 +33,7 @@ from serve.frontend.metrics import FrontendMetrics
 from serve.frontend.requestlog import RequestLog
 from serve.frontend.openai_api import OpenAIApi
 from serve.frontend.pool import WorkerPool
+from serve.frontend.prefillgate import PrefillGate
 from serve.frontend.routing import Routing
 from serve.frontend.settings import FrontendSettings
 from serve.frontend.tokenizer import Tokenizer
@@ -51,6 +52,7 @@ class Frontend:
         self.pool: WorkerPool | None = None
         self.generation: Generation | None = None
         self.routing: Routing | None = None
+        self.prefill_gate: PrefillGate | None = None
         self.kv_events: KVEventSubscriber | None = None
         self._sync_task: asyncio.Task | None = None
         self.active = 0  # requests in flight (what a drain waits for)
@@ -75,11 +77,13 @@ class Frontend:
                                self.settings.poll_interval_s, self.settings.max_poll_failures, self.client,
                                clock=self.clock, on_removed=origins.forget if origins is not None else None)
         await self.pool.start()
-        self.routing = Routing(self.settings, self.pool)
+        self.routing = routing = Routing(self.settings, self.pool)
+        cap = self.settings.max_prefills_per_worker
+        self.prefill_gate = PrefillGate(cap, routing.load, lambda: routing.eligible(("prefill",))) if cap else None
         self.generation = Generation(self.pool, self.client, self.tokenizer, self.metrics,
                                      self.settings.worker_read_timeout_s, self.settings.worker_connect_timeout_s,
                                      self.routing, self.settings.prefill_timeout_s,
-                                     first_token_from=self.settings.first_token_from)
+                                     first_token_from=self.settings.first_token_from, gate=self.prefill_gate)
         if self.settings.use_kv_events:
             self.kv_events = KVEventSubscriber(self.routing.router.index)
             self._sync_task = asyncio.create_task(self._sync_kv_events())

@@ -26,6 +26,7 @@ from serve.frontend.metrics import FrontendMetrics
 from serve.frontend.ndjson import NdjsonLines
 from kvtransfer.protocol import TransferParams
 from serve.frontend.pool import WorkerEntry, WorkerPool
+from serve.frontend.prefillgate import PrefillGate
 from serve.frontend.routing import RoutePlan, Routing
 from serve.frontend.timing import RequestTiming
 from serve.frontend.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -56,8 +57,10 @@ class TextEvent:
 class Generation:
     def __init__(self, pool: WorkerPool, client: httpx.AsyncClient, tokenizer: Tokenizer,
                  metrics: FrontendMetrics, read_timeout_s: float, connect_timeout_s: float,
-                 routing: Routing, prefill_timeout_s: float, first_token_from: str = "prefill") -> None:
+                 routing: Routing, prefill_timeout_s: float, first_token_from: str = "prefill",
+                 gate: PrefillGate | None = None) -> None:
         self.pool = pool
+        self.gate = gate  # --max-prefills-per-worker: split requests wait here for a prefill worker with room
         self.first_token_from = first_token_from
         self.routing = routing
         self.prefill_timeout_s = prefill_timeout_s
@@ -90,7 +93,14 @@ class Generation:
         done: Prefilled | None = None
         if plan.prefill is not None:
             timing.start("prefill")
-            done = await self._prefill(plan, request_id, prompt_ids, sampling, deadline, keep_first)
+            until = min(time.monotonic() + self.prefill_timeout_s, deadline)  # the stage's budget, gate included
+            admitted = plan if self.gate is None else await self.gate.admit(plan, until - time.monotonic())
+            if admitted is None:  # no prefill worker had room in time: as a prefill timeout
+                log.warning("request %s: no prefill worker had room in time; decode worker prefills", request_id)
+                self.metrics.prefill_fallbacks.labels("timeout").inc()
+            else:
+                plan = admitted
+                done = await self._prefill(plan, request_id, prompt_ids, sampling, until, keep_first)
             took = timing.stop("prefill")
             if done is not None:
                 kv_transfer, prefill_cached = done.params, done.cached
@@ -214,15 +224,23 @@ class Generation:
                         worker.url, exc)
 
     async def _prefill(self, plan: RoutePlan, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
-                       deadline: float, keep_first: bool = False) -> Prefilled | None:
-        """Run the prompt on the prefill worker and return its transfer params; on any failure
-        (error, timeout, unreachable) count a fallback and return None: the decode worker then
-        runs the prefill itself."""
+                       until: float, keep_first: bool = False) -> Prefilled | None:
+        """Run the prompt on the prefill worker (by `until`, monotonic) and return its transfer
+        params; on any failure (error, timeout, unreachable) count a fallback and return None:
+        the decode worker then runs the prefill itself. With the gate, its load was reserved on
+        admission: released here, and the next waiter admitted."""
         worker = plan.prefill
         if worker is None:
             raise ValueError("a prefill stage without a prefill worker")
-        with self.routing.load.reserve(worker.url, "prefill", plan.prompt_blocks):
-            reason = await self._prefill_on(worker, request_id, prompt_ids, sampling, deadline, keep_first)
+        held = contextlib.nullcontext() if self.gate is not None else \
+            self.routing.load.reserve(worker.url, "prefill", plan.prompt_blocks)
+        try:
+            with held:
+                reason = await self._prefill_on(worker, request_id, prompt_ids, sampling, until, keep_first)
+        finally:
+            if self.gate is not None:
+                self.routing.load.release(worker.url, "prefill", plan.prompt_blocks)
+                self.gate.kick()
         if isinstance(reason, Prefilled):
             return reason
         log.warning("request %s: prefill on %s failed (%s); decode worker prefills locally",
@@ -231,14 +249,14 @@ class Generation:
         return None
 
     async def _prefill_on(self, worker: WorkerEntry, request_id: str, prompt_ids: list[int],
-                          sampling: p.SamplingOptions, deadline: float, keep_first: bool) -> Prefilled | str:
+                          sampling: p.SamplingOptions, until: float, keep_first: bool) -> Prefilled | str:
         """The transfer params, cached tokens and token of a prefill, or why it failed. A token
         the client will see honours its min_tokens (no EOS when min_tokens >= 1)."""
         body = p.encode(p.GenerateRequest(
             request_id=request_id, prompt_token_ids=prompt_ids, remote_decode=True,
             sampling=msgspec.structs.replace(sampling, max_tokens=1,
                                              min_tokens=min(sampling.min_tokens, 1) if keep_first else 0)))
-        timeout = max(0.1, min(self.prefill_timeout_s, deadline - time.monotonic()))
+        timeout = max(0.1, until - time.monotonic())
         try:
             async with asyncio.timeout(timeout):
                 r = await self.client.post(f"{worker.url}/generate", content=body,

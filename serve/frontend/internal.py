@@ -79,12 +79,14 @@ class InternalApi:
         fe = self.fe
         samples, nxt, dropped = fe.requests.since(since, limit)
         return reply(p.RequestsReply(samples=samples, next=nxt, dropped=dropped, arrivals=fe.requests.arrivals,
-                                     in_flight=fe.active, queued=fe.admission.queued if fe.admission else 0))
+                                     in_flight=fe.active, queued=fe.admission.queued if fe.admission else 0,
+                                     prefill_held=fe.prefill_gate.held if fe.prefill_gate is not None else 0))
 
     async def metrics(self) -> Response:
         fe = self.fe
         m = fe.metrics
         available = fe.pool.available()
+        m.prefill_held.set(fe.prefill_gate.held if fe.prefill_gate is not None else 0)
         for role in ROLES:
             m.workers.labels(role).set(sum(1 for e in available if e.info is not None and e.info.role == role))
         for e in available:

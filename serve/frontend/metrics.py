@@ -70,6 +70,8 @@ class FrontendMetrics:
         self.workers = Gauge("pdserve_frontend_workers", "Workers in rotation", ["role"], registry=r)
         self.queued = Gauge("pdserve_frontend_queued_requests", "Requests admitted but not yet served "
                             "(reading the body or waiting for a slot)", registry=r)
+        self.prefill_held = Gauge("pdserve_frontend_prefill_held_requests", "Split requests waiting in this frontend "
+                                  "for a prefill worker with room (--max-prefills-per-worker)", registry=r)
         self.rejected = Counter("pdserve_frontend_rejected_requests", "Requests refused by admission "
                                 "(overloaded: 429; queue_timeout: 504)", ["reason"], registry=r)
         self._text = TextRenderer(r)

@@ -29,6 +29,7 @@ class FrontendSettings:
     max_active_requests: int = 512
     max_queued_requests: int = 512
     queue_timeout_s: float = 60.0
+    max_prefills_per_worker: int = 0  # serve.frontend.prefillgate; 0: send each prefill at once
     # Access (serve.auth): client API keys, the cluster token, paths open without either.
     api_keys: list[str] = field(default_factory=list)
     cluster_token: str | None = None
@@ -63,6 +64,10 @@ class FrontendSettings:
                        help="requests waiting for a slot; beyond that, 429 with Retry-After (default: 512)")
         f.add_argument("--queue-timeout", type=float, default=60.0,
                        help="seconds a request may wait for a slot before a 504 (default: 60)")
+        f.add_argument("--max-prefills-per-worker", type=int, default=0, metavar="N",
+                       help="prefills this frontend keeps on one prefill worker at once; more wait here, oldest "
+                            "first, for a worker with room (one finishing or joining), within --prefill-timeout. "
+                            "0 sends each at once to its worker's queue (default: 0)")
         f.add_argument("--api-key", action="append", default=flags.env_list("PDSERVE_API_KEY"), metavar="KEY",
                        help="require `Authorization: Bearer KEY` on the OpenAI endpoints (repeatable; env "
                             "PDSERVE_API_KEY, comma-separated); without it they are open")
@@ -81,6 +86,8 @@ class FrontendSettings:
             raise PdserveError("--graceful-timeout, --drain-settle and --queue-timeout must be >= 0")
         if args.max_concurrent_requests < 1 or args.max_queued_requests < 0:
             raise PdserveError("--max-concurrent-requests must be >= 1 and --max-queued-requests >= 0")
+        if args.max_prefills_per_worker < 0:
+            raise PdserveError(f"--max-prefills-per-worker {args.max_prefills_per_worker}: must be >= 0 (0: no limit)")
         return cls(
             model=model, served_model_name=served_model_name,
             static_workers=list(args.worker), request_timeout_s=args.request_timeout,
@@ -92,7 +99,8 @@ class FrontendSettings:
             graceful_timeout_s=args.graceful_timeout,
             drain_settle_s=args.drain_settle, api_keys=list(args.api_key), cluster_token=args.cluster_token,
             max_active_requests=args.max_concurrent_requests, max_queued_requests=args.max_queued_requests,
-            queue_timeout_s=args.queue_timeout, auth_exempt_paths=flags.paths(args.auth_exempt_paths),
+            queue_timeout_s=args.queue_timeout, max_prefills_per_worker=args.max_prefills_per_worker,
+            auth_exempt_paths=flags.paths(args.auth_exempt_paths),
         )
 
 

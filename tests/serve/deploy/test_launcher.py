@@ -105,13 +105,15 @@ def test_kv_cache_is_sized_in_whole_gib_to_fit_memory(capsys):
 
 
 def test_up_passes_the_frontend_admission_flags_on(capsys):
-    """`pdserve up --max-concurrent-requests/--max-queued-requests/--queue-timeout` reach the
-    frontend's command line as given; unset, the frontend keeps its defaults; a bad value is a
-    one-line error before anything starts."""
+    """`pdserve up --max-concurrent-requests/--max-queued-requests/--queue-timeout` and
+    `--max-prefills-per-worker` reach the frontend's command line as given; unset, the
+    frontend keeps its defaults; a bad value is a one-line error before anything starts."""
     import argparse
 
     from serve.cli import main
     from serve.deploy.settings import UpSettings
+    from serve.errors import PdserveError
+    from serve.frontend.settings import FrontendSettings
 
     def settings(*extra: str) -> UpSettings:
         parser = argparse.ArgumentParser()
@@ -119,11 +121,17 @@ def test_up_passes_the_frontend_admission_flags_on(capsys):
         return UpSettings.from_args(parser.parse_args(["--engine", "sim", *extra]))
 
     args = settings("--max-concurrent-requests", "100000", "--max-queued-requests", "0", "--queue-timeout", "240",
-                    "--worker-read-timeout", "480").frontend_args
+                    "--worker-read-timeout", "480", "--max-prefills-per-worker", "4").frontend_args
     pairs = dict(zip(args[::2], args[1::2]))
     assert pairs["--max-concurrent-requests"] == "100000" and pairs["--max-queued-requests"] == "0"
+    assert pairs["--max-prefills-per-worker"] == "4"
+    fe = argparse.ArgumentParser()
+    FrontendSettings.add_arguments(fe)
+    assert FrontendSettings.from_args(fe.parse_args(args), "m", "m").max_prefills_per_worker == 4
     assert pairs["--queue-timeout"] == "240.0" and pairs["--worker-read-timeout"] == "480.0"
     assert not {"--max-concurrent-requests", "--queue-timeout"} & set(settings().frontend_args)
     assert main(["up", "--engine", "sim", "--max-concurrent-requests", "0"]) == 2
     err = capsys.readouterr().err
     assert "--max-concurrent-requests 0: must be >= 1" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(PdserveError, match="--max-prefills-per-worker -1: must be >= 0"):
+        FrontendSettings.from_args(fe.parse_args(["--max-prefills-per-worker", "-1"]), "m", "m")
