@@ -105,6 +105,7 @@ class Generation:
             if done is not None:
                 kv_transfer, prefill_cached = done.params, done.cached
                 self.routing.costs.observe_prefill(plan.prefill.url, len(prompt_ids) - done.cached, took)
+            plan = self.routing.decode_for(plan, len(prompt_ids))  # by the load now, not at arrival
         elif plan.is_fallback:
             self.metrics.prefill_fallbacks.labels("no_prefill_worker").inc()
         self._observe_plan(plan)
@@ -225,10 +226,9 @@ class Generation:
 
     async def _prefill(self, plan: RoutePlan, request_id: str, prompt_ids: list[int], sampling: p.SamplingOptions,
                        until: float, keep_first: bool = False) -> Prefilled | None:
-        """Run the prompt on the prefill worker (by `until`, monotonic) and return its transfer
+        """Run the prompt on the prefill worker by `until` (monotonic) and return its transfer
         params; on any failure (error, timeout, unreachable) count a fallback and return None:
-        the decode worker then runs the prefill itself. With the gate, its load was reserved on
-        admission: released here, and the next waiter admitted."""
+        the decode worker prefills. With the gate, the load it reserved is released here."""
         worker = plan.prefill
         if worker is None:
             raise ValueError("a prefill stage without a prefill worker")

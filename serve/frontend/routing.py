@@ -17,7 +17,7 @@ with only aggregated workers the request runs on the least-loaded one (aggregate
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from router.errors import NoCandidates
 from router.filters import compatible_with, eligible
@@ -203,6 +203,21 @@ class Routing:
         plan.prefill_decision = pd
         plan.reason = "disagg"
         return plan
+
+    def decode_for(self, plan: RoutePlan, num_tokens: int) -> RoutePlan:
+        """A split request's decode worker chosen again as its prefill ends, by the load then
+        (the choice at arrival saw none of the requests still in their prefill: a burst's would
+        all stay with the decode workers there when it came, however many joined since), among
+        those that can read the prefill worker's KV. `plan` itself when the choice is the same
+        or no decode worker is eligible now (the decode stage's retries handle that)."""
+        if plan.prefill is None:
+            return plan
+        decode = self._compatible(self.eligible(("decode",)), plan.prefill)
+        if not decode:
+            return plan
+        dd = self.router.route_decode(plan.hashes, self._candidates(decode), num_tokens)
+        chosen = self.pool.workers[dd.worker_id]
+        return plan if chosen is plan.decode else replace(plan, decode=chosen, decode_decision=dd)
 
     def next_worker(self, roles: Collection[str], tried: Collection[str], num_tokens: int = 0) -> WorkerEntry:
         """A retry's worker: the least loaded of `roles` not yet tried."""

@@ -1,7 +1,9 @@
-"""`--max-prefills-per-worker` end to end (real frontend, real HTTP, simulated workers): a
-backlog waits in the frontend, and a prefill worker that joins takes part of it, which it
-cannot when every prompt is already queued on the first worker's engine; the autoscaler
-counts the held requests as the prefill pool's backlog."""
+"""A burst's backlog and the workers that join for it, end to end (real frontend, real HTTP,
+simulated workers): with `--max-prefills-per-worker` the backlog waits in the frontend and a
+prefill worker that joins takes part of it, which it cannot when every prompt is already
+queued on the first worker's engine; the autoscaler counts the held requests as the prefill
+pool's backlog; and a split request's decode worker is chosen as its prefill ends, so a
+decode worker that joined meanwhile can take it."""
 
 from __future__ import annotations
 
@@ -76,3 +78,39 @@ def test_a_joining_prefill_worker_takes_part_of_the_backlog_held_in_the_frontend
     first, second, statuses, fallbacks = run(model_dir, cap=0)
     assert statuses == [200] * N and fallbacks == 0
     assert (first, second) == (N, 0)
+
+
+def decoded(url: str) -> float:
+    return metric(metrics(url), "pdserve_worker_requests_total", role="decode", outcome="ok")
+
+
+def test_a_split_request_s_decode_worker_is_chosen_as_its_prefill_ends(model_dir):
+    """At arrival only a busy decode worker exists; an idle one joins during the prefill: the
+    request is decoded there (chosen at arrival, it would queue behind the busy one's streams)."""
+    slow_decode = [*FAST[:-1], "constant:0.05"]  # 200 tokens: 10 s of streaming
+    slower_prefill = [*FAST[:-1], "constant:1.5"]
+    with ThreadedSimCluster(model_dir, ["prefill", "decode"], engine_flags=FAST,
+                            per_worker={0: {"engine_flags": slower_prefill}, 1: {"engine_flags": slow_decode}}) as c:
+        busy = c.urls("decode")[0]
+        statuses: list[int] = []
+
+        def chat(tokens: int) -> None:
+            r = httpx.post(f"{c.url}/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"Count to {tokens}."}]})
+            statuses.append(r.status_code)
+
+        streams = [threading.Thread(target=chat, args=(200,)) for _ in range(2)]
+        for t in streams:
+            t.start()
+        wait_for(lambda: httpx.get(f"{busy}/load", timeout=5).json()["active_requests"] >= 2, 20,
+                 "two long streams on the first decode worker")
+        late = threading.Thread(target=chat, args=(2,))
+        late.start()
+        idle = c.add_worker("decode")
+        wait_for(lambda: idle in c.in_rotation("decode"), 5, "the second decode worker in rotation")
+        late.join(30)
+        assert statuses == [200] and decoded(idle) == 1 and decoded(busy) == 0
+        for t in streams:
+            t.join(30)
+        assert statuses == [200] * 3 and decoded(busy) == 2
