@@ -68,12 +68,20 @@ def test_late_ports_are_below_the_ephemeral_range_free_and_never_repeated():
 
 def test_a_block_of_late_ports_is_free_whole_and_never_handed_again(monkeypatch):
     """A launcher's base port: all `count` ports free now, none handed out again."""
+    monkeypatch.setattr(listen, "_handed", set())  # blocks other tests in this process drew do not count
     base = listen.late_port("127.0.0.1", 7)
     with socket.socket() as taken:  # a port inside the next draw's block is in use: skipped
-        taken.bind(("127.0.0.1", base + 20))
-        draws = iter([base + 17, base + 30])
+        try:
+            taken.bind(("127.0.0.1", base + 20))
+        except OSError:
+            pass  # something else holds it: in use all the same
+        # later draws: disjoint blocks, any of which another process on the host may hold meanwhile
+        later = [base + 30 + 7 * k for k in range(100)]
+        draws = iter([base + 17, *later])
         monkeypatch.setattr(listen.random, "randint", lambda lo, hi: next(draws))
-        assert listen.late_port("127.0.0.1", 7) == base + 30
+        port = listen.late_port("127.0.0.1", 7)
+        assert port in later
+        assert set(range(port, port + 7)) <= listen._handed
     for port in range(base, base + 7):
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
