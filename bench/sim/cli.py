@@ -47,6 +47,10 @@ def add_command(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--max-queued-requests", type=int, default=512,
                    help="the frontend's admission queue; beyond it, 429 (default: 512)")
     c.add_argument("--poll-interval", type=float, default=1.0, help="the frontend's load polls, s (default: 1)")
+    c.add_argument("--max-prefills-per-worker", type=int, default=0,
+                   help="the frontend's prefill gate: split requests beyond N per prefill worker wait, oldest "
+                        "first, for one with room; past --prefill-timeout their decode worker prefills "
+                        "(default: 0, none)")
     e = s.add_argument_group("simulated engines (vLLM's flags, as `pdserve worker --engine sim`)")
     for flag, kind in ENGINE_FLAGS:
         e.add_argument(flag, dest=engine_dest(flag), type=kind, default=None)

@@ -14,17 +14,18 @@ scheduler and block table), the KV transfer (all held blocks' bytes over the lin
 bandwidth plus a per-READ latency), and nothing else: the frontend's and the client's own
 CPU time is left out (on a GPU cluster it overlaps the engines' steps).
 
-A split request follows the frontend's default path: the prefill worker computes the prompt
-and its first token (streamed at once), holds its blocks; the decode worker reads them,
-continues after that token, and the prefill's blocks are freed when the read is done.
+A split request follows the frontend's default path: with `--max-prefills-per-worker` it
+waits in the frontend's prefill gate (bench/sim/gate.py) for a prefill worker with room; the
+prefill worker computes the prompt and its first token (streamed at once), holds its blocks;
+the decode worker, chosen again by the load as the prefill ends (`Routing.decode_for`), reads
+them, continues after that token, and the prefill's blocks are freed when the read is done.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from typing import Any
 
 from router.events import Event
 from serve import protocol as p
@@ -38,59 +39,11 @@ from serve.sim.kv import transfer_seconds
 from serve.sim.timing import StepModel
 
 from bench.sim.engine import OfflineEngine
+from bench.sim.flow import Flow, Link, SimWorker, ended
+from bench.sim.gate import OfflineGate
 from bench.sim.loop import Loop
 
 MODEL = "sim"
-
-
-def _ended(flow: Flow) -> None:
-    """A finished flow's `on_done`."""
-
-
-@dataclass
-class Link:
-    bandwidth_gbps: float = 0.0  # 0: instant
-    latency_s: float = 0.0
-
-
-@dataclass
-class SimWorker:
-    url: str
-    role: str
-    engine: OfflineEngine
-    table: BlockTable
-    alive: bool = True
-    draining: bool = False  # leaving: out of rotation, finishing what it has (bench/sim/scaling.py)
-
-
-@dataclass
-class Flow:
-    """One request through the cluster, and what the client saw of it."""
-
-    request_id: str
-    session: int
-    turn: int
-    prompt: list[int]
-    osl: int
-    seed: int
-    arrival: float
-    on_done: Callable[[Flow], None]
-    times: array = field(default_factory=lambda: array("d"))  # virtual time of each token
-    end: float = 0.0
-    error: tuple[int, str, str] | None = None  # (HTTP status, type, message)
-    path: str = ""
-    prefill: SimWorker | None = None
-    decode: SimWorker | None = None
-    blocks: int = 0
-    cached_tokens: int = 0
-    isl: int = 0  # the prompt's length (the prompt itself is dropped when the request ends)
-    reserved: list[tuple[str, str]] = field(default_factory=list)  # load-tracker reservations held
-    roles: tuple[str, ...] = ("agg",)  # the decode stage's roles (a retry's candidates)
-    tried: set[str] = field(default_factory=set)
-    sent: float = 0.0  # when its current stage was sent to a worker
-    uncached_tokens: int = 0  # the prompt's tokens the decode worker had not cached (the router's view)
-    uncached_blocks: int = 0  # what its decode worker reads from the holder (blocks it lacks)
-    transfer_bytes: int = 0  # those blocks' bytes, as the router estimated them
 
 
 class OfflineCluster:
@@ -117,6 +70,9 @@ class OfflineCluster:
         self.recomputes = 0  # decode workers that computed a prompt whose KV could not be read
         self.tp = tp
         self.on_submit: Callable[[Flow], None] | None = None  # sees every arrival (an autoscaler's observer)
+        cap = settings.max_prefills_per_worker
+        self.gate = OfflineGate(cap, self.routing.load, lambda: self.routing.eligible(("prefill",)), loop,
+                                settings.prefill_timeout_s) if cap else None
         for i, role in enumerate(roles):
             self.add_worker(f"http://sim-{role}-{i}:8100", role, step_model)
 
@@ -147,6 +103,8 @@ class OfflineCluster:
         if not reply.accepted:
             raise ValueError(reply.message)
         self._poll_one(w)
+        if role == "prefill":
+            self._kick_gate()  # a joining prefill worker takes waiters
         return w
 
     def kill(self, url: str) -> None:
@@ -164,10 +122,11 @@ class OfflineCluster:
                 # Its prefill worker died mid-prefill: the decode worker computes the prompt
                 # itself (the frontend's fallback), with the whole answer to generate.
                 self._unreserve(flow, url, "prefill")
-                flow.prefill, flow.path = None, "fallback"
+                flow.prefill, flow.path, flow.plan = None, "fallback", None
                 self._send_decode(flow, flow.prompt, flow.osl)
             # else: the decode worker's READ finds the holder gone (`_loaded`) and recomputes
         self.routing.router.index.remove_worker(url)
+        self._kick_gate()
 
     def drain(self, url: str) -> None:
         """The worker leaves rotation and finishes what it has (a real drain tells the
@@ -233,11 +192,38 @@ class OfflineCluster:
         flow.uncached_tokens, flow.transfer_bytes = plan.uncached_tokens, plan.transfer_bytes
         dd = plan.decode_decision
         flow.uncached_blocks = dd.prompt_blocks - dd.overlap_blocks if dd is not None else plan.prompt_blocks
-        if plan.prefill is not None:
-            flow.prefill = self.workers[plan.prefill.url]
-            self._send_prefill(flow)
-        else:
+        if plan.prefill is None:
             self._send_decode(flow, flow.prompt, flow.osl)
+        elif self.gate is None:
+            self._granted(flow, plan)
+        else:
+            self.gate.admit(plan, lambda plan: self._granted(flow, plan), lambda: self._gate_timeout(flow))
+
+    def _granted(self, flow: Flow, plan: Any) -> None:
+        flow.plan = plan
+        flow.prefill = self.workers[plan.prefill.url]
+        self._send_prefill(flow)
+
+    def _gate_timeout(self, flow: Flow) -> None:
+        """No prefill worker had room within the prefill timeout: the decode worker prefills."""
+        self._rechoose_decode(flow, flow.plan)
+        flow.path = "fallback"
+        self._send_decode(flow, flow.prompt, flow.osl)
+
+    def _rechoose_decode(self, flow: Flow, plan: Any) -> None:
+        """The decode worker chosen again by the load now, as the frontend does when a prefill ends."""
+        flow.plan = None
+        if plan is None:
+            return
+        plan = self.routing.decode_for(plan, len(flow.prompt))
+        flow.decode = self.workers[plan.decode.url]
+        dd = plan.decode_decision
+        flow.uncached_blocks = dd.prompt_blocks - dd.overlap_blocks if dd is not None else plan.prompt_blocks
+
+    def _kick_gate(self) -> None:
+        # From the loop, not from inside an engine's step or a kill: a grant adds to an engine.
+        if self.gate is not None and self.gate.held:
+            self.loop.at(self.loop.now, self.gate.kick)
 
     def _send_prefill(self, flow: Flow) -> None:
         pw = flow.prefill
@@ -246,7 +232,7 @@ class OfflineCluster:
             # Unreachable prefill worker: the frontend counts a fallback and the decode
             # worker computes the prompt itself.
             self.pool.report_failure(pw.url)
-            flow.prefill, flow.path = None, "fallback"
+            flow.prefill, flow.path, flow.plan = None, "fallback", None
             self._send_decode(flow, flow.prompt, flow.osl)
             return
         self._reserve(flow, pw.url, "prefill")
@@ -290,6 +276,7 @@ class OfflineCluster:
         if w is flow.prefill and w.role == "prefill" and len(flow.times) == 1:
             # The prefill's token: streamed at once; the decode worker continues after it.
             self._unreserve(flow, w.url, "prefill")
+            self._kick_gate()
             flow.cached_tokens = req.cached
             self.routing.costs.observe_prefill(w.url, len(flow.prompt) - req.cached, self.loop.now - flow.sent)
             if flow.osl <= 1:
@@ -297,6 +284,7 @@ class OfflineCluster:
                 w.engine.kick()
                 self._end(flow)
                 return
+            self._rechoose_decode(flow, flow.plan)
             held = w.table.blocks_of(req.request_id) if w.table.holds(req.request_id) else []
             # The decode worker reads the blocks it lacks (its own prefix cache serves the rest).
             nbytes = min(len(held), flow.uncached_blocks) * self.bytes_per_block
@@ -360,7 +348,7 @@ class OfflineCluster:
             self._unreserve(flow, url, stage)
         flow.end = self.loop.now
         flow.error = error
-        flow.isl, flow.prompt = len(flow.prompt), []
+        flow.isl, flow.prompt, flow.plan = len(flow.prompt), [], None
         if self.flows.pop(flow.request_id, None) is not None:
             self.active -= 1
             if self.queue and not self._draining:
@@ -370,7 +358,7 @@ class OfflineCluster:
                 self.loop.at(self.loop.now, self._drain)
         self.finished += 1
         # Called once, then dropped: its closure holds the prompt (a kept flow must not).
-        done, flow.on_done = flow.on_done, _ended
+        done, flow.on_done = flow.on_done, ended
         done(flow)
 
     def _drain(self) -> None:

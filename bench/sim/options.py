@@ -8,7 +8,7 @@ import argparse
 import json
 from pathlib import Path
 
-from bench.sim.cluster import Link
+from bench.sim.flow import Link
 from bench.sim.errors import SimError
 from bench.sim.flags import ENGINE_FLAGS, engine_dest
 from bench.sim.run import Fault, SimSpec
@@ -128,11 +128,15 @@ def spec_from_args(args: argparse.Namespace) -> SimSpec:
                                     router_temperature=args.router_temperature, use_kv_events=not args.no_kv_events,
                                     conditional_disagg_tokens=conditional_tokens(args),
                                     conditional_disagg_auto=args.conditional_disagg_tokens == "auto",
-                                    block_size=opts.engine.block_size)
+                                    block_size=opts.engine.block_size,
+                                    max_prefills_per_worker=args.max_prefills_per_worker,
+                                    prefill_timeout_s=args.prefill_timeout)
     except PdserveError as exc:
         raise SimError(str(exc)) from None
     if args.max_concurrent_requests < 1 or args.max_queued_requests < 0 or args.poll_interval <= 0:
         raise SimError("--max-concurrent-requests >= 1, --max-queued-requests >= 0, --poll-interval > 0")
+    if args.max_prefills_per_worker < 0 or args.prefill_timeout <= 0:
+        raise SimError("--max-prefills-per-worker >= 0 (0: no gate), --prefill-timeout > 0")
     return SimSpec(roles, opts.engine, opts.step_model, bytes_per_block,
                    Link(opts.kv_bandwidth_gbps, opts.kv_latency_s), settings, _faults(args, roles),
                    args.series_interval, describe)

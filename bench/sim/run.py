@@ -27,7 +27,8 @@ from bench.loadgen.config import ProfileConfig
 from bench.loadgen.export import write_artifacts
 from bench.loadgen.profile import ProfileResult
 from bench.loadgen.records import ErrorInfo, Record
-from bench.sim.cluster import Flow, Link, OfflineCluster
+from bench.sim.cluster import OfflineCluster
+from bench.sim.flow import Flow, Link
 from bench.sim.loop import Loop
 from bench.sim.workload import Driver, build_sessions
 from serve.frontend.settings import FrontendSettings

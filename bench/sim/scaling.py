@@ -24,7 +24,8 @@ from typing import Any
 from serve.autoscale.decide import Controller, Decision
 from serve.autoscale.observe import Observation, Pool
 
-from bench.sim.cluster import Flow, OfflineCluster, SimWorker
+from bench.sim.cluster import OfflineCluster
+from bench.sim.flow import Flow, SimWorker
 from bench.sim.loop import Loop
 from serve.sim.timing import StepModel
 
@@ -63,6 +64,8 @@ class SimScaler:
                 else:
                     out[w.role].ready += 1
                 out[w.role].waiting += len(w.engine.waiting)
+        if self.cluster.gate is not None and "prefill" in out:
+            out["prefill"].waiting += self.cluster.gate.held  # the frontend's prefill gate: as live (prefill_held)
         return out
 
     def provisioned(self) -> dict[str, int]:

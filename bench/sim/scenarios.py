@@ -39,6 +39,10 @@ SYSTEM, MODEL, TP = "h100_sxm", "meta-llama/Llama-3.1-70B-Instruct", 4
 TTFT_S, ITL_S, PERCENTILE = 2.0, 0.060, 90.0
 STARTUP_S, INTERVAL_S, WINDOW_S = 60.0, 30.0, 60.0
 MAX_NUM_SEQS = 32  # decode slots per worker: with 300-token answers, ~5 req/s each
+# Prefills one prefill worker gets at once (the frontend's `--max-prefills-per-worker`): enough
+# that a worker never idles between two, few enough that a burst's backlog waits in the frontend
+# for the workers started for it instead of queuing on those there before it.
+PREFILLS_PER_WORKER = 4
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,7 @@ def _argv(s: Scenario, tr: Path, out: Path, p: int, d: int) -> list[str]:
             "--tp", str(TP), "--network", "rdma", "--max-num-seqs", str(MAX_NUM_SEQS), "--max-model-len", "16384",
             "--input-file", str(tr), "--custom-dataset-type", "mooncake_trace", "--fixed-schedule",
             "--max-concurrent-requests", "100000", "--max-queued-requests", "100000", "--ui-type", "none",
+            "--max-prefills-per-worker", str(PREFILLS_PER_WORKER),
             "--streaming", "--artifact-dir", str(out)]
 
 

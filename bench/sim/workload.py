@@ -20,7 +20,8 @@ from bench.loadgen.config import ProfileConfig
 from bench.loadgen.dataset import TraceEntry, parse_mooncake, shape_rng
 from bench.loadgen.errors import LoadgenError
 from bench.loadgen.runner import arrival_rng, next_gap
-from bench.sim.cluster import Flow, OfflineCluster
+from bench.sim.cluster import OfflineCluster
+from bench.sim.flow import Flow
 from bench.sim.engine import output_token
 from bench.sim.errors import SimError
 from bench.sim.loop import Loop

@@ -18,7 +18,7 @@ import asyncio
 import dataclasses
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from router.load import LoadTracker
 
@@ -29,9 +29,26 @@ class Worker(Protocol):
     url: str
 
 
+W = TypeVar("W", bound=Worker)
+
+
 class Plan(Protocol):
     prefill: Worker | None
     prompt_blocks: int
+
+
+def room(workers: Sequence[W], prefer: W | None, load: LoadTracker, cap: int) -> W | None:
+    """The prefill worker a waiting request may have now: `prefer` (the router's choice) if it
+    is among `workers` with fewer than `cap` prefills, else the least loaded such worker; None
+    when every worker is full (the offline simulator's gate, bench/sim/gate.py, shares it)."""
+    if prefer is not None and any(w.url == prefer.url for w in workers) and load.requests(prefer.url, "prefill") < cap:
+        return prefer
+    best, least = None, cap
+    for w in workers:
+        n = load.requests(w.url, "prefill")
+        if n < least:
+            best, least = w, n
+    return best
 
 
 class PrefillGate:
@@ -50,17 +67,7 @@ class PrefillGate:
         return sum(1 for fut, _ in self._waiting if not fut.done())
 
     def _room(self, prefer: Worker | None) -> Worker | None:
-        """`prefer` (the router's choice) if it has room, else the least loaded worker with room."""
-        workers = self.prefill_workers()
-        if prefer is not None and any(w.url == prefer.url for w in workers) \
-                and self.load.requests(prefer.url, "prefill") < self.cap:
-            return prefer
-        best, least = None, self.cap
-        for w in workers:
-            n = self.load.requests(w.url, "prefill")
-            if n < least:
-                best, least = w, n
-        return best
+        return room(self.prefill_workers(), prefer, self.load, self.cap)
 
     def _grant(self, plan: Plan, worker: Worker) -> Plan:
         self.load.acquire(worker.url, "prefill", plan.prompt_blocks)

@@ -12,7 +12,8 @@ import sys
 import pytest
 
 from bench.loadgen.config import ProfileConfig
-from bench.sim.cluster import Flow, Link, OfflineCluster
+from bench.sim.cluster import OfflineCluster
+from bench.sim.flow import Flow, Link
 from bench.sim.engine import OfflineEngine, output_token
 from bench.sim.loop import Loop
 from bench.sim.run import Fault, SimSpec, simulate
