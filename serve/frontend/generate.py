@@ -156,7 +156,7 @@ class Generation:
                         log.info("request %s: worker %s refused it (%s); trying another", request_id, worker.url, exc)
                     else:
                         self.pool.report_failure(worker.url)
-                        log.warning("request %s: worker %s unreachable (%s)", request_id, worker.url, exc)
+                        log.warning("request %s: worker %s unreachable (%r)", request_id, worker.url, exc)
                     if started:
                         raise WorkerError(f"worker {worker.url} unreachable") from exc
                 worker = self.routing.next_worker(plan.decode_roles, tried, len(prompt_ids))

@@ -74,7 +74,7 @@ class WorkerRegistration:
                     failing.discard(url)
                 except Exception as exc:  # keep renewing whatever happens to one frontend
                     if url not in failing:
-                        log.warning("registration with frontend %s failed: %s", url, exc)
+                        log.warning("registration with frontend %s failed: %s", url, str(exc) or type(exc).__name__)
                     failing.add(url)
             await asyncio.sleep(interval)
 
