@@ -26,7 +26,6 @@ class _Waiter:
     granted: Callable[[Any], None]  # called with the plan, its prefill worker the one with room
     timed_out: Callable[[], None]
     deadline: float
-    done: bool = False
 
 
 class OfflineGate:
@@ -61,26 +60,21 @@ class OfflineGate:
         """Grant the oldest waiters while a worker has room (a prefill ended, a worker joined)."""
         while self._waiting:
             w = self._waiting[0]
-            if w.done:
-                self._waiting.popleft()
-                continue
             worker = room(self.prefill_workers(), w.plan.prefill, self.load, self.cap)
             if worker is None:
                 return
             self._waiting.popleft()
-            w.done = True
             self.held -= 1
             w.granted(self._with(w.plan, worker))
 
     def _expire(self) -> None:
         self._timer = False
-        while self._waiting and (self._waiting[0].done or self._waiting[0].deadline <= self.loop.now):
+        # waiters leave only from the front (granted or expired), so the oldest holds the earliest deadline
+        while self._waiting and self._waiting[0].deadline <= self.loop.now:
             w = self._waiting.popleft()
-            if not w.done:
-                w.done = True
-                self.held -= 1
-                self.timeouts += 1
-                w.timed_out()
+            self.held -= 1
+            self.timeouts += 1
+            w.timed_out()
         if self._waiting:
             self._timer = True
             self.loop.at(self._waiting[0].deadline, self._expire)

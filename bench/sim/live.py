@@ -159,6 +159,7 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
               # the frontend's wall-clock timeouts stretched with the engine (a prefill queue that lasts
               # 15 s at speed 1 lasts 60 s here)
               "--prefill-timeout", str(60 * SLOWDOWN), "--worker-read-timeout", str(120 * SLOWDOWN),
+              "--request-timeout", str(600 * SLOWDOWN),
               # admission as offline (bench/sim/scenarios.py): the engines queue, the frontend does not
               "--max-concurrent-requests", "100000", "--max-queued-requests", "100000",
               "--queue-timeout", str(60 * SLOWDOWN),

@@ -72,6 +72,9 @@ class UpSettings:
         u.add_argument("--decode-max-num-seqs", type=int, default=None,
                        help="disagg mode: max-num-seqs of decode workers")
         flags.add_router(u)
+        u.add_argument("--request-timeout", type=float, default=None, metavar="S",
+                       help="the frontend's --request-timeout: seconds a request may take in all (default: the "
+                            "frontend's, 600)")
         u.add_argument("--worker-read-timeout", type=float, default=None, metavar="S",
                        help="the frontend's --worker-read-timeout: seconds without a token from a worker before the "
                             "request fails (default: the frontend's, 120)")
@@ -145,14 +148,16 @@ class UpSettings:
 def _frontend_passthrough(args: argparse.Namespace) -> list[str]:
     """The frontend flags `pdserve up` passes on as given (unset: the frontend's defaults)."""
     out: list[str] = []
-    for flag, value, lowest in (("--worker-read-timeout", args.worker_read_timeout, 0),
-                                ("--max-concurrent-requests", args.max_concurrent_requests, 1),
-                                ("--max-queued-requests", args.max_queued_requests, 0),
-                                ("--queue-timeout", args.queue_timeout, 0),
-                                ("--max-prefills-per-worker", args.max_prefills_per_worker, 0)):
+    # (flag, value, lowest allowed, whether the lowest itself is allowed)
+    for flag, value, lowest, inclusive in (("--request-timeout", args.request_timeout, 0, False),
+                                           ("--worker-read-timeout", args.worker_read_timeout, 0, False),
+                                           ("--max-concurrent-requests", args.max_concurrent_requests, 1, True),
+                                           ("--max-queued-requests", args.max_queued_requests, 0, True),
+                                           ("--queue-timeout", args.queue_timeout, 0, True),
+                                           ("--max-prefills-per-worker", args.max_prefills_per_worker, 0, True)):
         if value is None:
             continue
-        if value < lowest:
-            raise PdserveError(f"{flag} {value:g}: must be >= {lowest}")
+        if value < lowest or (value == lowest and not inclusive):
+            raise PdserveError(f"{flag} {value:g}: must be {'>=' if inclusive else '>'} {lowest}")
         out += [flag, str(value)]
     return out

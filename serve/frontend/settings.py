@@ -86,6 +86,8 @@ class FrontendSettings:
             raise PdserveError("--graceful-timeout, --drain-settle and --queue-timeout must be >= 0")
         if args.max_concurrent_requests < 1 or args.max_queued_requests < 0:
             raise PdserveError("--max-concurrent-requests must be >= 1 and --max-queued-requests >= 0")
+        if args.request_timeout <= 0 or args.worker_read_timeout <= 0:
+            raise PdserveError("--request-timeout and --worker-read-timeout must be > 0")
         if args.max_prefills_per_worker < 0:
             raise PdserveError(f"--max-prefills-per-worker {args.max_prefills_per_worker}: must be >= 0 (0: no limit)")
         return cls(

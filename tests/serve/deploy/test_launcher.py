@@ -121,13 +121,15 @@ def test_up_passes_the_frontend_admission_flags_on(capsys):
         return UpSettings.from_args(parser.parse_args(["--engine", "sim", *extra]))
 
     args = settings("--max-concurrent-requests", "100000", "--max-queued-requests", "0", "--queue-timeout", "240",
-                    "--worker-read-timeout", "480", "--max-prefills-per-worker", "4").frontend_args
+                    "--worker-read-timeout", "480", "--max-prefills-per-worker", "4",
+                    "--request-timeout", "2400").frontend_args
     pairs = dict(zip(args[::2], args[1::2]))
     assert pairs["--max-concurrent-requests"] == "100000" and pairs["--max-queued-requests"] == "0"
     assert pairs["--max-prefills-per-worker"] == "4"
     fe = argparse.ArgumentParser()
     FrontendSettings.add_arguments(fe)
-    assert FrontendSettings.from_args(fe.parse_args(args), "m", "m").max_prefills_per_worker == 4
+    passed = FrontendSettings.from_args(fe.parse_args(args), "m", "m")
+    assert passed.max_prefills_per_worker == 4 and passed.request_timeout_s == 2400
     assert pairs["--queue-timeout"] == "240.0" and pairs["--worker-read-timeout"] == "480.0"
     assert not {"--max-concurrent-requests", "--queue-timeout"} & set(settings().frontend_args)
     assert main(["up", "--engine", "sim", "--max-concurrent-requests", "0"]) == 2
@@ -135,3 +137,7 @@ def test_up_passes_the_frontend_admission_flags_on(capsys):
     assert "--max-concurrent-requests 0: must be >= 1" in err and len(err.strip().splitlines()) == 1
     with pytest.raises(PdserveError, match="--max-prefills-per-worker -1: must be >= 0"):
         FrontendSettings.from_args(fe.parse_args(["--max-prefills-per-worker", "-1"]), "m", "m")
+    with pytest.raises(PdserveError, match="--request-timeout 0: must be > 0"):
+        settings("--request-timeout", "0")
+    with pytest.raises(PdserveError, match="--request-timeout and --worker-read-timeout must be > 0"):
+        FrontendSettings.from_args(fe.parse_args(["--request-timeout", "-1"]), "m", "m")
