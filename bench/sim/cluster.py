@@ -68,6 +68,7 @@ class OfflineCluster:
         self._draining = False
         self.finished = 0
         self.recomputes = 0  # decode workers that computed a prompt whose KV could not be read
+        self.prefill_timeouts = 0  # prefills sent and given up at --prefill-timeout (the decode worker prefilled)
         self.tp = tp
         self.on_submit: Callable[[Flow], None] | None = None  # sees every arrival (an autoscaler's observer)
         cap = settings.max_prefills_per_worker
@@ -122,8 +123,7 @@ class OfflineCluster:
                 # Its prefill worker died mid-prefill: the decode worker computes the prompt
                 # itself (the frontend's fallback), with the whole answer to generate.
                 self._unreserve(flow, url, "prefill")
-                flow.prefill, flow.path, flow.plan = None, "fallback", None
-                self._send_decode(flow, flow.prompt, flow.osl)
+                self._fallback(flow)
             # else: the decode worker's READ finds the holder gone (`_loaded`) and recomputes
         self.routing.router.index.remove_worker(url)
         self._kick_gate()
@@ -194,7 +194,11 @@ class OfflineCluster:
         flow.uncached_blocks = dd.prompt_blocks - dd.overlap_blocks if dd is not None else plan.prompt_blocks
         if plan.prefill is None:
             self._send_decode(flow, flow.prompt, flow.osl)
-        elif self.gate is None:
+            return
+        flow.plan = plan
+        # The prefill stage's budget, the gate's wait included (the frontend's --prefill-timeout).
+        flow.prefill_until = self.loop.now + self.settings.prefill_timeout_s
+        if self.gate is None:
             self._granted(flow, plan)
         else:
             self.gate.admit(plan, lambda plan: self._granted(flow, plan), lambda: self._gate_timeout(flow))
@@ -206,9 +210,33 @@ class OfflineCluster:
 
     def _gate_timeout(self, flow: Flow) -> None:
         """No prefill worker had room within the prefill timeout: the decode worker prefills."""
+        self._fallback(flow)
+
+    def _fallback(self, flow: Flow) -> None:
+        """No prefill (timed out, or its worker gone): the decode worker, chosen again by the
+        load now as the frontend does after a prefill stage, computes the prompt itself."""
+        flow.prefill = None
         self._rechoose_decode(flow, flow.plan)
         flow.path = "fallback"
         self._send_decode(flow, flow.prompt, flow.osl)
+
+    def _prefill_expired(self, flow: Flow) -> None:
+        """The frontend gives up on a prefill still running at --prefill-timeout: it closes the
+        stream, the worker aborts the request and frees its blocks, the decode worker prefills."""
+        pw = flow.prefill
+        if pw is None or flow.times or self.flows.get(flow.request_id) is not flow:
+            return  # it ended, or its prefill did (or fell back) in time
+        if pw.alive:
+            if flow.request_id in pw.engine.requests:
+                pw.engine.abort(flow.request_id)
+            if pw.table.holds(flow.request_id):
+                pw.table.free(flow.request_id)
+            pw.engine.token_times.pop(flow.request_id, None)
+            pw.engine.kick()
+        self._unreserve(flow, pw.url, "prefill")
+        self.prefill_timeouts += 1
+        self._kick_gate()
+        self._fallback(flow)
 
     def _rechoose_decode(self, flow: Flow, plan: Any) -> None:
         """The decode worker chosen again by the load now, as the frontend does when a prefill ends."""
@@ -232,11 +260,12 @@ class OfflineCluster:
             # Unreachable prefill worker: the frontend counts a fallback and the decode
             # worker computes the prompt itself.
             self.pool.report_failure(pw.url)
-            flow.prefill, flow.path, flow.plan = None, "fallback", None
-            self._send_decode(flow, flow.prompt, flow.osl)
+            self._fallback(flow)
             return
         self._reserve(flow, pw.url, "prefill")
         self._add(flow, pw, flow.prompt, 1, hold=True)
+        if flow.request_id in self.flows:
+            self.loop.at(flow.prefill_until, self._prefill_expired, flow)
 
     def _send_decode(self, flow: Flow, prompt: list[int], max_tokens: int, remote_tokens: int | None = None) -> None:
         """To the chosen decode (or aggregated) worker; one that is unreachable is reported

@@ -62,3 +62,4 @@ class Flow:
     uncached_blocks: int = 0  # what its decode worker reads from the holder (blocks it lacks)
     transfer_bytes: int = 0  # those blocks' bytes, as the router estimated them
     plan: Any = None  # a split request's RoutePlan until its decode stage is sent
+    prefill_until: float = 0.0  # a split request's prefill deadline (virtual time)

@@ -157,6 +157,9 @@ def simulate(cfg: ProfileConfig, spec: SimSpec, progress: bool = True) -> tuple[
         **spec.describe, "virtual_seconds": round(last_s, 3), "wall_seconds": round(wall_s, 3),
         "requests_per_wall_second": round(len(records) / wall_s, 1) if wall_s else None,
         "events": loop.events, "recomputes": cluster.recomputes,
+        # prefills given up at --prefill-timeout: sent and still running, or held in the gate
+        "prefill_timeouts": {"sent": cluster.prefill_timeouts,
+                             "gate": cluster.gate.timeouts if cluster.gate is not None else 0},
         "paths": _count(f.path or "refused" for f in flows)})
     stats = {"workers": {w.url: {
         "role": w.role, "alive": w.alive,

@@ -116,25 +116,31 @@ def test_a_prefill_worker_that_joins_takes_part_of_a_backlog_only_with_the_gate(
 
 
 def test_a_request_that_waits_past_the_prefill_timeout_is_prefilled_by_its_decode_worker():
-    cluster, loop = _cluster(["prefill", "decode"], max_prefills_per_worker=1, prefill_timeout_s=0.5)
+    """Three 2-s prefills, one at a time, within a 2.5-s budget that the gate's wait counts
+    toward: the first ends in time; the second, sent at 2 s, is given up at 2.5 s; the third
+    never leaves the gate. The decode worker prefills both."""
+    cluster, loop = _cluster(["prefill", "decode"], max_prefills_per_worker=1, prefill_timeout_s=2.5)
     done = _burst(cluster, n=3)
     loop.run()
-    assert sorted(f.path for f in done) == ["disagg", "fallback", "fallback"]
+    assert {f.request_id: f.path for f in done} == {"r0": "disagg", "r1": "fallback", "r2": "fallback"}
     assert all(f.error is None and len(f.times) == 4 for f in done)
-    assert cluster.gate is not None and cluster.gate.timeouts == 2 and cluster.gate.held == 0
+    assert cluster.gate is not None and cluster.gate.timeouts == 1 and cluster.gate.held == 0
+    assert cluster.prefill_timeouts == 1
     assert all(w.table.used_blocks == 0 for w in cluster.workers.values() if w.role == "prefill")
 
 
 def test_a_split_request_s_decode_worker_is_chosen_as_its_prefill_ends():
     """At arrival there is one decode worker; a second joins during the prefills: the hand-offs,
-    chosen by the load then, use it too."""
+    chosen by the load then, use it too. The prefills end 2 s apart and each decode lasts about
+    2.7 s, so only the first hand-off is a tie (broken at random); each later one finds one
+    worker busy and takes the other: two each."""
     cluster, loop = _cluster(["prefill", "decode"])
-    done = _burst(cluster, n=4, osl=50)
+    done = _burst(cluster, n=4, osl=2500)
     new = "http://sim-decode-9:8100"
     loop.at(0.5, cluster.add_worker, new, "decode", STEP)
     loop.run()
-    assert len(done) == 4 and all(f.error is None and len(f.times) == 50 for f in done)
-    assert sum(1 for f in done if f.decode is not None and f.decode.url == new) >= 1
+    assert len(done) == 4 and all(f.error is None and len(f.times) == 2500 for f in done)
+    assert sum(1 for f in done if f.decode is not None and f.decode.url == new) == 2
 
 
 def test_the_autoscaler_counts_requests_held_in_the_gate_as_the_prefill_pool_s_backlog():
@@ -151,3 +157,37 @@ def test_the_autoscaler_counts_requests_held_in_the_gate_as_the_prefill_pool_s_b
     pools = scaler.pools()
     assert cluster.gate is not None and cluster.gate.held == 4
     assert pools["prefill"].ready == 1 and pools["prefill"].waiting == 4  # one prefilling, four held
+
+
+def test_a_prefill_still_running_at_the_prefill_timeout_is_given_up_and_its_decode_worker_prefills():
+    """As the frontend's --prefill-timeout: three 2-s prefills queued on one worker with a
+    3-s budget; the first ends in time, the others are aborted on the prefill worker (their
+    blocks freed, their load released) and prefilled by the decode worker."""
+    cluster, loop = _cluster(["prefill", "decode"], prefill_timeout_s=3.0)
+    done = _burst(cluster, n=3)
+    loop.run()
+    assert all(f.error is None and len(f.times) == 4 for f in done)
+    assert sorted(f.path for f in done) == ["disagg", "fallback", "fallback"]
+    assert cluster.prefill_timeouts == 2
+    pw = next(w for w in cluster.workers.values() if w.role == "prefill")
+    assert pw.table.used_blocks == 0 and not pw.engine.requests
+    assert cluster.routing.load.requests(pw.url, "prefill") == 0
+    # the fallbacks' first tokens came after the budget, from the decode worker's own prefill
+    late = [f for f in done if f.path == "fallback"]
+    assert all(f.times[0] > 3.0 for f in late)
+
+
+def test_a_request_given_up_in_the_gate_goes_to_the_decode_worker_with_room_then():
+    """The gate's timeout, like a prefill's end, chooses the decode worker by the load then: the
+    only decode worker at arrival is loaded (by another frontend, say), and one that joined
+    while the requests waited takes them all."""
+    cluster, loop = _cluster(["prefill", "decode"], max_prefills_per_worker=1, prefill_timeout_s=2.5)
+    busy = next(w for w in cluster.workers.values() if w.role == "decode")
+    cluster.routing.load.acquire(busy.url, "decode", 1000)
+    done = _burst(cluster, n=3, osl=40)
+    new = "http://sim-decode-9:8100"
+    loop.at(1.0, cluster.add_worker, new, "decode", STEP)
+    loop.run()
+    assert {f.request_id: f.path for f in done} == {"r0": "disagg", "r1": "fallback", "r2": "fallback"}
+    assert all(f.error is None and len(f.times) == 40 for f in done)
+    assert {f.request_id: f.decode.url for f in done if f.decode is not None} == {"r0": new, "r1": new, "r2": new}

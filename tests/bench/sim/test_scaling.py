@@ -41,3 +41,25 @@ def test_windows_reversals_and_misses_are_counted():
     assert S.reversals(scaler) == 1  # 300 s after an up; the down at 1700 is 700 s after its up
     ws = [{"minute": m, "met": m not in (10, 11, 25)} for m in range(30)]
     assert S._misses(ws, (600.0, 1200.0)) == [2, 1]
+
+
+def test_a_window_is_missed_by_failures_but_not_by_requests_lost_with_a_killed_worker():
+    """A request that died with a worker the scenario killed misses no window (every layout
+    loses it, so it cannot tell a static layout from an autoscaled one); any other failure
+    does, as does a p90 over target."""
+    from bench.loadgen.records import ErrorInfo, Record
+
+    def rec(minute: int, ttft_s: float = 0.1, error: str | None = None) -> Record:
+        start = int(minute * S.WINDOW_S * 1e9)
+        r = Record(0, 0, "profiling", 0, start, start, content_ns=[start + int(ttft_s * 1e9), start + int(ttft_s * 1e9)
+                                                                  + int(S.ITL_S * 0.5e9)])
+        if error:
+            r.error, r.content_ns = ErrorInfo(502, "worker_error", error), []
+        return r
+    killed = ["http://sim-decode-3:8100"]
+    records = [rec(0), rec(0), rec(1), rec(1, error="worker http://sim-decode-3:8100 died"),
+               rec(2), rec(2, error="worker http://sim-decode-1:8100 died"), rec(3, ttft_s=S.TTFT_S * 2)]
+    ws = S.windows(records, killed)
+    assert [w["met"] for w in ws] == [True, True, False, False]
+    assert [(w["failed"], w["lost"]) for w in ws] == [(0, 0), (1, 1), (1, 0), (0, 0)]
+    assert [w["met"] for w in S.windows(records)] == [True, False, False, False]  # nothing killed: a failure
