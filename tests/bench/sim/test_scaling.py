@@ -63,3 +63,37 @@ def test_a_window_is_missed_by_failures_but_not_by_requests_lost_with_a_killed_w
     assert [w["met"] for w in ws] == [True, True, False, False]
     assert [(w["failed"], w["lost"]) for w in ws] == [(0, 0), (1, 1), (1, 0), (0, 0)]
     assert [w["met"] for w in S.windows(records)] == [True, False, False, False]  # nothing killed: a failure
+
+
+def test_live_windows_count_failures_at_the_kill_as_lost_and_any_other_as_a_miss(tmp_path):
+    """bench/sim/live.py reads the client's export: a failure that started before the kill and
+    ended within LOST_WITHIN_S after it was lost with the killed workers (no miss); one that
+    ended before the kill, or long after it, is a failure of its own (a miss)."""
+    import json
+
+    from bench.loadgen.export import record_line
+    from bench.loadgen.records import ErrorInfo, Record
+    from bench.sim import live as L
+
+    kill = 10 * 60 * 10**9  # minute 10 of the run
+
+    def rec(start_s: float, took_s: float, failed: bool) -> Record:
+        start = int(start_s * 1e9)
+        r = Record(0, 0, "profiling", 0, start, start, end_ns=start + int(took_s * 1e9))
+        if failed:
+            r.error = ErrorInfo(502, "worker_error", "worker failed: ReadError")
+        else:
+            r.content_ns = [start + int(0.1e9), start + int(0.2e9)]
+        return r
+    records = [rec(0, 1, False), rec(595, 6, True),  # minute 9: lost at the kill
+               rec(540, 30, True),  # minute 9 as well: failed before the kill
+               rec(610, 1, False), rec(650, 100, True)]  # minute 10: failed 150 s after the kill
+    export = tmp_path / "profile_export.jsonl"
+    export.write_text("".join(json.dumps(record_line(r)) + "\n" for r in records))
+    ws, n, failed = L.windows(export, kill)
+    assert (n, failed) == (5, 3)
+    assert [(w["minute"], w["failed"], w["lost"], w["met"]) for w in ws] == [(0, 0, 0, True), (9, 2, 1, False),
+                                                                            (10, 1, 0, False)]
+    export.write_text(json.dumps(record_line(records[0])) + "\n" + json.dumps(record_line(records[1])) + "\n")
+    assert [w["met"] for w in L.windows(export, kill)[0]] == [True, True]
+    assert [w["met"] for w in L.windows(export)[0]] == [True, False]  # nothing killed: a miss
