@@ -88,7 +88,9 @@ def test_a_split_request_s_decode_worker_is_chosen_as_its_prefill_ends(model_dir
     """At arrival only a busy decode worker exists; an idle one joins during the prefill: the
     request is decoded there (chosen at arrival, it would queue behind the busy one's streams)."""
     slow_decode = [*FAST[:-1], "constant:0.05"]  # 200 tokens: 10 s of streaming
-    slower_prefill = [*FAST[:-1], "constant:1.5"]
+    # The late request's prefill lasts 4 s: time for the new decode worker to start and
+    # register on a loaded CI host (1.5 s was close), well within the streams' 10 s.
+    slower_prefill = [*FAST[:-1], "constant:4.0"]
     with ThreadedSimCluster(model_dir, ["prefill", "decode"], engine_flags=FAST,
                             per_worker={0: {"engine_flags": slower_prefill}, 1: {"engine_flags": slow_decode}}) as c:
         busy = c.urls("decode")[0]
@@ -110,7 +112,7 @@ def test_a_split_request_s_decode_worker_is_chosen_as_its_prefill_ends(model_dir
         idle = c.add_worker("decode")
         wait_for(lambda: idle in c.in_rotation("decode"), 5, "the second decode worker in rotation")
         late.join(30)
-        assert statuses == [200] and decoded(idle) == 1 and decoded(busy) == 0
+        assert statuses == [200] and decoded(idle) == 1 and decoded(busy) == 0, (statuses, decoded(idle))
         for t in streams:
             t.join(30)
         assert statuses == [200] * 3 and decoded(busy) == 2
