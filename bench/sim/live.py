@@ -140,9 +140,17 @@ def kill_decode_share(frontend: str, share: float, headers: dict[str, str]) -> l
             if r["role"] == "decode" and r["in_rotation"]]
     victims = rows[:max(1, round(len(rows) * share))]
     for r in victims:
-        port = r["url"].rsplit(":", 1)[1]
-        subprocess.run(["pkill", "-KILL", "-f", f"--port {port} "], check=False)
+        kill_port(int(r["url"].rsplit(":", 1)[1]))
     return [r["url"] for r in victims]
+
+
+def kill_port(port: int) -> None:
+    """SIGKILL the process started with `--port PORT` (a worker of `pdserve up`); an error if
+    none was. (The pattern begins with "--": without pkill's own "--" it read it as an option,
+    killed nothing and said so only on stderr.)"""
+    rc = subprocess.run(["pkill", "-KILL", "-f", "--", f"--port {port}( |$)"], check=False).returncode
+    if rc != 0:
+        raise RuntimeError(f"no process with --port {port} was killed (pkill exit {rc})")
 
 
 def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port: int,

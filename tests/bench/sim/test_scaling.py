@@ -97,3 +97,26 @@ def test_live_windows_count_failures_at_the_kill_as_lost_and_any_other_as_a_miss
     export.write_text(json.dumps(record_line(records[0])) + "\n" + json.dumps(record_line(records[1])) + "\n")
     assert [w["met"] for w in L.windows(export, kill)[0]] == [True, True]
     assert [w["met"] for w in L.windows(export)[0]] == [True, False]  # nothing killed: a miss
+
+
+def test_the_live_pool_loss_kills_the_worker_on_that_port_and_only_it():
+    import subprocess
+    import sys
+
+    import pytest
+
+    from bench.sim import live as L
+
+    code = "import time; time.sleep(60)"
+    target = subprocess.Popen([sys.executable, "-c", code, "--port", "18997", "--x"])
+    other = subprocess.Popen([sys.executable, "-c", code, "--port", "189970"])
+    try:
+        L.kill_port(18997)
+        assert target.wait(10) == -9
+        assert other.poll() is None  # a longer port with the same digits is not it
+        with pytest.raises(RuntimeError, match="no process with --port 18997"):
+            L.kill_port(18997)
+    finally:
+        for p in (target, other):
+            p.kill()
+            p.wait()
