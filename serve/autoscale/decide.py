@@ -9,9 +9,10 @@ Each interval (`Controller.step`):
 2. Under the model (serve/autoscale/model.py) TTFT depends on the prefill pool and ITL on
    the decode pool, so each pool's smallest count that meets its target is found on its
    own (a scan up from the pool's minimum): `need`. The smallest that meets it with margin
-   (`down_margin` x target) at the rate plus `down_rate_z` standard errors of one interval's
-   arrival count (a Poisson count: sqrt(rate / interval); 16% at 1.3 req/s over 30 s, 4% at
-   22) is `comfortable`: a scale-down that one noisy interval would undo is not taken.
+   (`down_margin` x target) at the rate plus `down_rate_z` (2) standard errors of one
+   interval's arrival count (a Poisson count: sqrt(rate / interval); 16% at 1.3 req/s over
+   30 s, 4% at 22) is `comfortable`: a scale-down that a noisy interval would undo is not
+   taken.
    Aggregated: one pool, both targets.
 3. Feedback: when the interval's measured percentile missed a target although the model
    says the current pool meets it, the model is optimistic there: that pool needs one worker
@@ -75,7 +76,11 @@ class Policy:
     reverse_guard_s: float = MIN_REVERSE_GUARD_S
     max_step_up: float = 2.0
     max_step_down: float = 0.25
-    down_rate_z: float = 1.0
+    # A scale-down must hold through the noisiest interval the next 10 minutes (the reversal
+    # guard) are likely to bring: about 20 intervals of 30 s, whose largest Poisson count lies
+    # about 2 standard errors above the mean. With 1 SE a live pool loss at 2.4 req/s took a
+    # prefill worker off on a low interval (2.27 req/s) and added it back 270 s later at 2.87.
+    down_rate_z: float = 2.0
 
     @property
     def pools(self) -> tuple[str, ...]:
