@@ -120,3 +120,30 @@ def test_the_live_pool_loss_kills_the_worker_on_that_port_and_only_it():
         for p in (target, other):
             p.kill()
             p.wait()
+
+
+def test_the_static_baseline_meets_every_window_of_every_trace(tmp_path, monkeypatch):
+    """A layout met on one trace by luck is not the baseline: with a second trace on which
+    2P+2D misses TTFT, the search grows prefill (run_one stands in for the simulator here:
+    trace a is met from 2P+2D, trace b needs 3 prefill workers)."""
+    calls = []
+
+    def fake_run(s, tr, out, p, d, autoscale):
+        calls.append((tr.name, p, d))
+        ok = p >= 2 and d >= 2 and (tr.name == "a" or p >= 3)
+        w = {"minute": 0, "requests": 10, "failed": 0, "lost": 0, "ttft_p90_s": 1.0 if ok else 9.0,
+             "itl_p90_s": 0.01, "met": ok}
+        return {"windows": [w], "worker_hours": (p + d) / 2}
+    monkeypatch.setattr(S, "run_one", fake_run)
+    s = _scenario("flat", ((100, 1.0),), 100)
+    one = S.baseline(s, [tmp_path / "a"], tmp_path, (2, 2))
+    assert one["layout"] == "2P+2D" and one["meets_every_window"]
+    both = S.baseline(s, [tmp_path / "a", tmp_path / "b"], tmp_path, (2, 2))
+    assert both["layout"] == "3P+2D" and both["meets_every_window"] and both["worker_hours"] == 2.5
+    assert both["missed_per_trace"]["2P+2D"] == [0, 1] and both["missed_per_trace"]["3P+2D"] == [0, 0]
+    assert ("b", 3, 2) in calls
+
+
+def test_scenarios_refuse_a_seed_count_out_of_range(capsys):
+    assert S.main(["diurnal", "--seeds", "0"]) == 2
+    assert "--seeds must be 1 to" in capsys.readouterr().err
