@@ -296,8 +296,9 @@ def run_scenario(name: str, out: Path, seeds: int = 1) -> dict[str, Any]:
         row["autoscaled"]["worker_hours"] = round(hours, 3)
         row["autoscaled"]["failed"] = sum(a["failed"] for a in autos)
         row["autoscaled"]["lost_with_killed"] = sum(a["lost_with_killed"] for a in autos)
-        row["autoscaled"]["autoscaler"]["reversals_within_10min"] = sum(
-            a["autoscaler"]["reversals_within_10min"] for a in autos)
+        # totals over the traces; its decisions and timeline stay the first trace's
+        row["autoscaled"]["autoscaler"] = {**auto["autoscaler"], "reversals_within_10min": sum(
+            a["autoscaler"]["reversals_within_10min"] for a in autos)}
     (d / "scenario.json").write_text(json.dumps({**row, "autoscaled_windows": auto["windows"]}, indent=1) + "\n")
     return row
 
