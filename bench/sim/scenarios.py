@@ -267,38 +267,36 @@ def run_scenario(name: str, out: Path, seeds: int = 1) -> dict[str, Any]:
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     traces, autos = [], []
-    for seed in SEEDS[:seeds]:
-        tr = d / ("trace.jsonl" if seed == SEEDS[0] else f"trace-seed{seed}.jsonl")
+    for i, seed in enumerate(SEEDS[:seeds]):
+        suffix = f"-seed{seed}" if i else ""  # the first trace keeps the single-trace paths
+        tr = d / f"trace{suffix}.jsonl"
         trace(s, tr, seed)
         traces.append(tr)
         # as an operator would start it
-        autos.append(run_one(s, tr, d / ("autoscaled" if seed == SEEDS[0] else f"autoscaled-seed{seed}"),
-                             *_layout_at(s, 0.0), True))
+        autos.append(run_one(s, tr, d / f"autoscaled{suffix}", *_layout_at(s, 0.0), True))
     auto = autos[0]
     base = baseline(s, traces, d, _peak_layout(s))
     ws = [w for a in autos for w in a["windows"]]
     met = sum(w["met"] for w in ws)
-    hours = sum(a["worker_hours"] for a in autos) / len(autos)
-    row = {"scenario": name, "describe": s.describe, "requests": sum(a["requests"] for a in autos),
-           "simulated": True,
-           "seeds": list(SEEDS[:seeds]), "autoscaled": {k: v for k, v in auto.items() if k not in ("windows",)},
+    hours = round(sum(a["worker_hours"] for a in autos) / len(autos), 3)
+    # Totals over the traces; the decisions and timeline are the first trace's.
+    summary = {**auto["autoscaler"], "reversals_within_10min": sum(a["autoscaler"]["reversals_within_10min"]
+                                                                   for a in autos)}
+    autoscaled = {**{k: v for k, v in auto.items() if k != "windows"}, "worker_hours": hours,
+                  "failed": sum(a["failed"] for a in autos),
+                  "lost_with_killed": sum(a["lost_with_killed"] for a in autos), "autoscaler": summary}
+    row = {"scenario": name, "describe": s.describe, "requests": sum(a["requests"] for a in autos), "simulated": True,
+           "seeds": list(SEEDS[:seeds]), "autoscaled": autoscaled,
            "slo_attainment": round(met / len(ws), 4) if ws else None,
            "windows": len(ws), "missed_windows": len(ws) - met,
            # per event, the worst trace's
            "misses_per_event": [max(x) for x in zip(*(_misses(a["windows"], s.events_s) for a in autos))],
            "static_baseline": base, "worker_hours_vs_static": round(hours / base["worker_hours"], 4)
-           if base["worker_hours"] else None, "allowed_misses_per_event": math.ceil(STARTUP_S / WINDOW_S) + 2}
-    if seeds > 1:
-        row["per_seed"] = [{"seed": seed, "requests": a["requests"], "worker_hours": a["worker_hours"],
-                            "missed_windows": sum(not w["met"] for w in a["windows"]), "failed": a["failed"],
-                            "reversals_within_10min": a["autoscaler"]["reversals_within_10min"]}
-                           for seed, a in zip(SEEDS, autos)]
-        row["autoscaled"]["worker_hours"] = round(hours, 3)
-        row["autoscaled"]["failed"] = sum(a["failed"] for a in autos)
-        row["autoscaled"]["lost_with_killed"] = sum(a["lost_with_killed"] for a in autos)
-        # totals over the traces; its decisions and timeline stay the first trace's
-        row["autoscaled"]["autoscaler"] = {**auto["autoscaler"], "reversals_within_10min": sum(
-            a["autoscaler"]["reversals_within_10min"] for a in autos)}
+           if base["worker_hours"] else None, "allowed_misses_per_event": math.ceil(STARTUP_S / WINDOW_S) + 2,
+           "per_seed": [{"seed": seed, "requests": a["requests"], "worker_hours": a["worker_hours"],
+                         "missed_windows": sum(not w["met"] for w in a["windows"]), "failed": a["failed"],
+                         "reversals_within_10min": a["autoscaler"]["reversals_within_10min"]}
+                        for seed, a in zip(SEEDS, autos)]}
     (d / "scenario.json").write_text(json.dumps({**row, "autoscaled_windows": auto["windows"]}, indent=1) + "\n")
     return row
 
