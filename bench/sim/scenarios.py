@@ -223,18 +223,22 @@ def reversals(scaler: Any, within_s: float = 600.0) -> int:
 def baseline(s: Scenario, traces: list[Path], out: Path, start: tuple[int, int], limit: int = 8) -> dict[str, Any]:
     """The fewest fixed workers meeting every window of every trace: from `start`, grow the pool
     whose metric missed until every window is met; then take one worker off either pool while
-    every window stays met (prefill first), until neither can go."""
+    every window stays met (prefill first), until neither can go. A layout's traces run in
+    order and stop at the first that misses (its `missed_per_trace` is then shorter): the
+    layout is out either way, and a met one has run them all."""
     p, d = start
     tried: dict[tuple[int, int], list[dict[str, Any]]] = {}
 
-    def sim(p: int, d: int) -> list[dict[str, Any]]:
-        if (p, d) not in tried:
-            tried[(p, d)] = [run_one(s, tr, out / (f"static-{p}P{d}D" + (f"-{tr.stem}" if i else "")), p, d, False)
-                             for i, tr in enumerate(traces)]
-        return tried[(p, d)]
-
     def bad_windows(p: int, d: int) -> list[dict[str, Any]]:
-        return [w for r in sim(p, d) for w in r["windows"] if not w["met"]]
+        rs = tried.setdefault((p, d), [])
+        for r in rs:
+            if bad := [w for w in r["windows"] if not w["met"]]:
+                return bad
+        for i, tr in enumerate(traces[len(rs):], start=len(rs)):
+            rs.append(run_one(s, tr, out / (f"static-{p}P{d}D" + (f"-{tr.stem}" if i else "")), p, d, False))
+            if bad := [w for w in rs[-1]["windows"] if not w["met"]]:
+                return bad
+        return []
 
     def meets(p: int, d: int) -> bool:
         return min(p, d) >= 1 and not bad_windows(p, d)

@@ -142,6 +142,8 @@ def test_the_static_baseline_meets_every_window_of_every_trace(tmp_path, monkeyp
     assert both["layout"] == "3P+2D" and both["meets_every_window"] and both["worker_hours"] == 2.5
     assert both["missed_per_trace"]["2P+2D"] == [0, 1] and both["missed_per_trace"]["3P+2D"] == [0, 0]
     assert ("b", 3, 2) in calls
+    # a layout out on its first trace is not run on the others
+    assert both["missed_per_trace"]["3P+1D"] == [1] and ("b", 3, 1) not in calls
 
 
 def test_scenarios_refuse_a_seed_count_out_of_range(capsys):
