@@ -1,6 +1,7 @@
 """SLA-autoscaler scenarios on the offline simulator, each with its parameters here:
 
     python -m bench.sim.scenarios [step|diurnal|burst|isl-shift|pool-loss ...] [--out DIR] [--seeds N]
+        [--cooldown S] [--no-baseline]
 
 Every scenario runs a disaggregated cluster of Llama 3.1 70B, TP 4, on H100 (the planner's
 step model, fp8 KV, RDMA-class link), workers starting 60 s after they are asked for, under
@@ -39,9 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from bench.sim.slo import ITL_S, PERCENTILE, TTFT_S, WINDOW_S, lost_with_worker, misses_per_event, reversals, windows
+
 SYSTEM, MODEL, TP = "h100_sxm", "meta-llama/Llama-3.1-70B-Instruct", 4
-TTFT_S, ITL_S, PERCENTILE = 2.0, 0.060, 90.0
-STARTUP_S, INTERVAL_S, WINDOW_S = 60.0, 30.0, 60.0
+STARTUP_S, INTERVAL_S, COOLDOWN_S = 60.0, 30.0, 60.0
 MAX_NUM_SEQS = 32  # decode slots per worker: with 300-token answers, ~5 req/s each
 # Prefills one prefill worker gets at once (the frontend's `--max-prefills-per-worker`): enough
 # that a worker never idles between two, few enough that a burst's backlog waits in the frontend
@@ -116,7 +118,7 @@ def _argv(s: Scenario, tr: Path, out: Path, p: int, d: int) -> list[str]:
             "--streaming", "--artifact-dir", str(out)]
 
 
-def controller(spec: Any) -> Any:
+def controller(spec: Any, cooldown_s: float = COOLDOWN_S) -> Any:
     from serve.autoscale.decide import Bounds, Controller, Policy, Targets
     from serve.autoscale.model import Engine
 
@@ -125,11 +127,12 @@ def controller(spec: Any) -> Any:
     eng = Engine(spec.step_model, cfg.max_num_seqs, cfg.max_num_batched_tokens, kv_tokens)
     policy = Policy("disagg", Targets(TTFT_S, ITL_S, PERCENTILE), Bounds(max_prefill=128, max_decode=128,
                                                                           max_workers=256),
-                    interval_s=INTERVAL_S, startup_s=STARTUP_S)
+                    interval_s=INTERVAL_S, startup_s=STARTUP_S, cooldown_s=cooldown_s)
     return Controller(policy, {"prefill": eng, "decode": eng})
 
 
-def run_one(s: Scenario, tr: Path, out: Path, p: int, d: int, autoscale: bool) -> dict[str, Any]:
+def run_one(s: Scenario, tr: Path, out: Path, p: int, d: int, autoscale: bool,
+            cooldown_s: float = COOLDOWN_S) -> dict[str, Any]:
     """One simulation of the scenario: fixed (p, d), or autoscaled from (p, d)."""
     from bench.loadgen.config import config_from_args
     from bench.sim.cli import add_command
@@ -142,7 +145,7 @@ def run_one(s: Scenario, tr: Path, out: Path, p: int, d: int, autoscale: bool) -
     args = sub.choices["sim"].parse_args(_argv(s, tr, out, p, d))
     cfg = config_from_args(args, "pdserve sim (scenario)")
     spec = spec_from_args(args)
-    scaler = SimScaler(controller(spec), spec.step_model, STARTUP_S) if autoscale else None
+    scaler = SimScaler(controller(spec, cooldown_s), spec.step_model, STARTUP_S) if autoscale else None
     killed: list[str] = []
 
     def hook(loop, cluster, flows, total) -> None:  # type: ignore[no-untyped-def]
@@ -163,61 +166,13 @@ def run_one(s: Scenario, tr: Path, out: Path, p: int, d: int, autoscale: bool) -
     end = max((r.end_ns for r in result.records), default=0) / 1e9
     doc = {"layout": f"{p}P+{d}D", "autoscaled": autoscale, "wall_s": round(time.monotonic() - t0, 1),
            "requests": len(result.records), "failed": sum(1 for r in result.records if not r.ok),
-           "killed": len(killed), "lost_with_killed": sum(1 for r in result.records if _lost(r, killed)),
+           "killed": len(killed), "lost_with_killed": sum(1 for r in result.records if lost_with_worker(r, killed)),
            "windows": windows(result.records, killed)}
     doc["worker_hours"] = (scaler.summary(end)["worker_hours"] if scaler else round((p + d) * end / 3600, 3))
     if scaler:
         doc["autoscaler"] = {**scaler.summary(end), "reversals_within_10min": reversals(scaler),
                              "decisions": [x.to_dict() for x in scaler.decisions if x.changed]}
     return doc
-
-
-def _lost(r: Any, killed: list[str]) -> bool:
-    """A request in flight on a worker the scenario killed, which ended in that worker's
-    death (`Cluster.kill`): no layout keeps it."""
-    return r.error is not None and any(f"worker {url} died" in r.error.message for url in killed)
-
-
-def windows(records: list[Any], killed: list[str] | tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Per arrival minute: p90 TTFT and ITL, failures, and whether both targets held. A window
-    is met when both p90s are within target and no request failed, apart from those lost with
-    a worker the scenario killed (counted in `lost`): every layout loses them, autoscaled or
-    static, so they cannot tell layouts apart."""
-    from serve.autoscale.model import quantile
-
-    if not records:
-        return []
-    base = min(r.start_ns for r in records)
-    by: dict[int, list[Any]] = {}
-    for r in records:
-        by.setdefault(int((r.start_ns - base) / 1e9 // WINDOW_S), []).append(r)
-    out = []
-    for k in sorted(by):
-        rs = by[k]
-        ok = [r for r in rs if r.ok]
-        lost = sum(1 for r in rs if _lost(r, list(killed)))
-        ttft = [(r.content_ns[0] - r.start_ns) / 1e9 for r in ok if r.content_ns]
-        itl = [(r.content_ns[-1] - r.content_ns[0]) / 1e9 / (len(r.content_ns) - 1) for r in ok if len(r.content_ns) > 1]
-        t90, i90 = quantile(ttft, PERCENTILE), quantile(itl, PERCENTILE)
-        out.append({"minute": k, "requests": len(rs), "failed": len(rs) - len(ok), "lost": lost,
-                    "ttft_p90_s": round(t90, 4), "itl_p90_s": round(i90, 5),
-                    "met": len(ok) + lost == len(rs) and t90 <= TTFT_S and i90 <= ITL_S})
-    return out
-
-
-def reversals(scaler: Any, within_s: float = 600.0) -> int:
-    """Pool-level direction changes within `within_s` of that pool's previous change."""
-    n, last = 0, {}
-    for d in scaler.decisions:
-        for p in d.desired:
-            delta = d.desired[p] - d.current[p]
-            if delta == 0:
-                continue
-            sign = 1 if delta > 0 else -1
-            if p in last and last[p][1] != sign and d.t - last[p][0] < within_s:
-                n += 1
-            last[p] = (d.t, sign)
-    return n
 
 
 def baseline(s: Scenario, traces: list[Path], out: Path, start: tuple[int, int], limit: int = 8) -> dict[str, Any]:
@@ -264,9 +219,10 @@ def baseline(s: Scenario, traces: list[Path], out: Path, start: tuple[int, int],
                                  for a, b in sorted(tried)}}
 
 
-def run_scenario(name: str, out: Path, seeds: int = 1) -> dict[str, Any]:
+def run_scenario(name: str, out: Path, seeds: int = 1, cooldown_s: float = COOLDOWN_S,
+                 static: bool = True) -> dict[str, Any]:
     """The scenario over `seeds` traces (seed 7, then 1, 2, ...): the autoscaled run on each, and
-    one static baseline that meets every window of all of them."""
+    (unless not `static`) one static baseline that meets every window of all of them."""
     s = SCENARIOS[name]
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
@@ -277,9 +233,9 @@ def run_scenario(name: str, out: Path, seeds: int = 1) -> dict[str, Any]:
         trace(s, tr, seed)
         traces.append(tr)
         # as an operator would start it
-        autos.append(run_one(s, tr, d / f"autoscaled{suffix}", *_layout_at(s, 0.0), True))
+        autos.append(run_one(s, tr, d / f"autoscaled{suffix}", *_layout_at(s, 0.0), True, cooldown_s))
     auto = autos[0]
-    base = baseline(s, traces, d, _peak_layout(s))
+    base = baseline(s, traces, d, _peak_layout(s)) if static else None
     ws = [w for a in autos for w in a["windows"]]
     met = sum(w["met"] for w in ws)
     hours = round(sum(a["worker_hours"] for a in autos) / len(autos), 3)
@@ -294,9 +250,9 @@ def run_scenario(name: str, out: Path, seeds: int = 1) -> dict[str, Any]:
            "slo_attainment": round(met / len(ws), 4) if ws else None,
            "windows": len(ws), "missed_windows": len(ws) - met,
            # per event, the worst trace's
-           "misses_per_event": [max(x) for x in zip(*(_misses(a["windows"], s.events_s) for a in autos))],
-           "static_baseline": base, "worker_hours_vs_static": round(hours / base["worker_hours"], 4)
-           if base["worker_hours"] else None, "allowed_misses_per_event": math.ceil(STARTUP_S / WINDOW_S) + 2,
+           "misses_per_event": [max(x) for x in zip(*(misses_per_event(a["windows"], s.events_s) for a in autos))],
+           "cooldown_s": cooldown_s, "static_baseline": base,
+           "worker_hours_vs_static": round(hours / base["worker_hours"], 4) if base and base["worker_hours"] else None, "allowed_misses_per_event": math.ceil(STARTUP_S / WINDOW_S) + 2,
            "per_seed": [{"seed": seed, "requests": a["requests"], "worker_hours": a["worker_hours"],
                          "missed_windows": sum(not w["met"] for w in a["windows"]), "failed": a["failed"],
                          "reversals_within_10min": a["autoscaler"]["reversals_within_10min"]}
@@ -331,26 +287,22 @@ def _layout_for(rate: float, isl: int, osl: int) -> tuple[int, int]:
     return c.smallest("prefill", load), c.smallest("decode", load)
 
 
-def _misses(ws: list[dict[str, Any]], events: tuple[float, ...]) -> list[int]:
-    """Missed windows attributed to each event: from its minute to the next event's."""
-    out = []
-    bounds = [int(e // WINDOW_S) for e in events] + [10**9]
-    for a, b in zip(bounds, bounds[1:]):
-        out.append(sum(1 for w in ws if a <= w["minute"] < b and not w["met"]))
-    return out
-
-
 def table(rows: list[dict[str, Any]]) -> str:
     lines = ["| scenario (SIMULATED) | requests | SLO attainment | missed windows (per event) | worker-hours auto "
              "/ static (ratio) | static baseline | failed | reversals < 10 min |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         a, b = r["autoscaled"], r["static_baseline"]
-        traces = f" ({len(r['seeds'])} traces)" if len(r.get("seeds", ())) > 1 else ""
-        lines.append(f"| {r['scenario']}: {r['describe']}{traces} | {r['requests']} | {r['slo_attainment']:.1%} | "
-                     f"{r['missed_windows']} ({', '.join(map(str, r['misses_per_event'])) or '-'}) | "
-                     f"{a['worker_hours']:.2f} / {b['worker_hours']:.2f} ({r['worker_hours_vs_static']:.2f}) | "
-                     f"{b['layout']}{'' if b['meets_every_window'] else ' (not met)'} | {a['failed']}"
-                     f"{f' ({lost} lost with killed workers)' if (lost := a.get('lost_with_killed')) else ''} | "
+        notes = [f"{len(r['seeds'])} traces"] if len(r.get("seeds", ())) > 1 else []
+        if r.get("cooldown_s", COOLDOWN_S) != COOLDOWN_S:
+            notes.append(f"cool-down {r['cooldown_s']:g} s")
+        label = f"{r['scenario']}: {r['describe']}" + (f" ({', '.join(notes)})" if notes else "")
+        hours = (f"{a['worker_hours']:.2f} / {b['worker_hours']:.2f} ({r['worker_hours_vs_static']:.2f}) | "
+                 f"{b['layout']}{'' if b['meets_every_window'] else ' (not met)'}" if b
+                 else f"{a['worker_hours']:.2f} / - | not searched")
+        lost = a.get("lost_with_killed")
+        lines.append(f"| {label} | {r['requests']} | {r['slo_attainment']:.1%} | {r['missed_windows']} "
+                     f"({', '.join(map(str, r['misses_per_event'])) or '-'}) | {hours} | {a['failed']}"
+                     f"{f' ({lost} lost with killed workers)' if lost else ''} | "
                      f"{a['autoscaler']['reversals_within_10min']} |")
     return "\n".join(lines)
 
@@ -363,7 +315,15 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"traces per scenario (Poisson realisations of its rate, seeds {', '.join(map(str, SEEDS))} in "
                         "order): the static baseline must meet every window of each, the autoscaled run is reported "
                         "over all of them (default: 1)")
+    p.add_argument("--cooldown", type=float, default=COOLDOWN_S, metavar="S",
+                   help=f"the autoscaler's --cooldown (default: {COOLDOWN_S:g}): no decision may reverse within 10 "
+                        "minutes whatever it is")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="the autoscaled runs only, no static baseline search (e.g. a --cooldown sweep)")
     args = p.parse_args(argv)
+    if args.cooldown < 0:
+        print(f"bench.sim.scenarios: error: --cooldown must be >= 0, not {args.cooldown:g}", file=sys.stderr)
+        return 2
     if not 1 <= args.seeds <= len(SEEDS):
         print(f"bench.sim.scenarios: error: --seeds must be 1 to {len(SEEDS)}, not {args.seeds}", file=sys.stderr)
         return 2
@@ -374,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     rows = []
     for name in args.names:
-        rows.append(run_scenario(name, out, args.seeds))
+        rows.append(run_scenario(name, out, args.seeds, args.cooldown, not args.no_baseline))
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     (out / "scenarios.json").write_text(json.dumps(rows, indent=1) + "\n")
     print(table(rows))

@@ -5,6 +5,8 @@ windows, reversals and the static baseline."""
 
 from __future__ import annotations
 
+import json
+
 from bench.sim import scenarios as S
 
 
@@ -40,7 +42,7 @@ def test_windows_reversals_and_misses_are_counted():
                                           D(1000, {"p": 2}, {"p": 4}), D(1700, {"p": 4}, {"p": 3})]})()
     assert S.reversals(scaler) == 1  # 300 s after an up; the down at 1700 is 700 s after its up
     ws = [{"minute": m, "met": m not in (10, 11, 25)} for m in range(30)]
-    assert S._misses(ws, (600.0, 1200.0)) == [2, 1]
+    assert S.misses_per_event(ws, (600.0, 1200.0)) == [2, 1]
 
 
 def test_a_window_is_missed_by_failures_but_not_by_requests_lost_with_a_killed_worker():
@@ -149,3 +151,28 @@ def test_the_static_baseline_meets_every_window_of_every_trace(tmp_path, monkeyp
 def test_scenarios_refuse_a_seed_count_out_of_range(capsys):
     assert S.main(["diurnal", "--seeds", "0"]) == 2
     assert "--seeds must be 1 to" in capsys.readouterr().err
+
+
+def test_a_cooldown_sweep_runs_the_autoscaled_traces_only(tmp_path, monkeypatch):
+    """`--cooldown S --no-baseline`: the controller gets the cool-down, no static layout is
+    simulated, and the table says the baseline was not searched."""
+    calls = []
+
+    def fake_run(s, tr, out, p, d, autoscale, cooldown_s=S.COOLDOWN_S):
+        calls.append((autoscale, cooldown_s))
+        w = {"minute": 0, "requests": 10, "failed": 0, "lost": 0, "ttft_p90_s": 1.0, "itl_p90_s": 0.01, "met": True}
+        return {"windows": [w], "worker_hours": 1.5, "requests": 10, "failed": 0, "lost_with_killed": 0,
+                "autoscaler": {"reversals_within_10min": 0}}
+    monkeypatch.setattr(S, "run_one", fake_run)
+    monkeypatch.setattr(S, "_layout_at", lambda s, t: (1, 1))
+    monkeypatch.setattr(S, "trace", lambda s, path, seed=7: 0)
+    assert S.main(["step", "--cooldown", "0", "--no-baseline", "--seeds", "2", "--out", str(tmp_path)]) == 0
+    assert calls == [(True, 0.0), (True, 0.0)]  # two traces, autoscaled, cool-down 0; no static run
+    row = json.loads((tmp_path / "scenarios.json").read_text())[0]
+    assert row["static_baseline"] is None and row["worker_hours_vs_static"] is None and row["cooldown_s"] == 0.0
+    assert "cool-down 0 s" in S.table([row]) and "not searched" in S.table([row])
+
+
+def test_scenarios_refuse_a_negative_cooldown(capsys):
+    assert S.main(["step", "--cooldown", "-1"]) == 2
+    assert "--cooldown must be >= 0" in capsys.readouterr().err
