@@ -2,10 +2,14 @@
 load it forecasts, reached in bounded steps, with hysteresis.
 
 Each interval (`Controller.step`):
-1. The load to size for: the larger of the rate just observed and Holt's forecast one
-   start-up time plus one interval ahead (a worker started now serves from then on), with
-   the recent intervals' ISL/OSL samples; plus, per pool, the requests waiting in its
-   engines spread over a start-up time (a backlog must drain too).
+1. The load to size for: the larger of the rate just observed, less `up_rate_z` (1)
+   Poisson standard errors of its count (one noisy interval alone adds no worker; the
+   smoothed level still follows it), and Holt's forecast one start-up time plus one interval
+   ahead (a worker started now serves from then on), with the recent intervals' ISL/OSL
+   samples; plus, per pool, the requests waiting in its engines spread over a start-up time
+   (a backlog must drain too). A pool needs the larger of its count for those samples and
+   for the last interval's alone (at least `MIN_SAMPLES` of them): when prompts turn long,
+   the pooled samples lag by the intervals they pool.
 2. Under the model (serve/autoscale/model.py) TTFT depends on the prefill pool and ITL on
    the decode pool, so each pool's smallest count that meets its target is found on its
    own (a scan up from the pool's minimum): `need`. The smallest that meets it with margin
@@ -39,6 +43,7 @@ from serve.autoscale.model import INF, Engine, Load, Prediction, predict_agg, pr
 from serve.autoscale.observe import Observation, Pool, Trend
 
 MIN_REVERSE_GUARD_S = 600.0
+MIN_SAMPLES = 20  # requests in one interval for its own length distribution to size a pool
 
 
 @dataclass(frozen=True)
@@ -81,6 +86,10 @@ class Policy:
     # about 2 standard errors above the mean. With 1 SE a live pool loss at 2.4 req/s took a
     # prefill worker off on a low interval (2.27 req/s) and added it back 270 s later at 2.87.
     down_rate_z: float = 2.0
+    # The rate just observed counts by its lower bound, `up_rate_z` standard errors below: in a
+    # live ISL shift at 1.8 req/s a 30-s interval of 75 arrivals (2.5 req/s, the trace's own
+    # Poisson excursion) added workers to both pools 60 s after they were taken off.
+    up_rate_z: float = 1.0
 
     @property
     def pools(self) -> tuple[str, ...]:
@@ -158,8 +167,9 @@ class Controller:
         self.trend.update(obs)
         if obs.step_scale is not None and obs.step_scale > 0:
             self.scale = 0.7 * self.scale + 0.3 * obs.step_scale
-        now_load = self.trend.load(0.0, floor=obs.rate)
-        ahead = self.trend.load(pol.startup_s + pol.interval_s, floor=obs.rate)
+        floor = max(0.0, obs.rate - pol.up_rate_z * self._se(obs.rate))
+        now_load = self.trend.load(0.0, floor=floor)
+        ahead = self.trend.load(pol.startup_s + pol.interval_s, floor=floor)
         load = ahead if ahead.rate >= now_load.rate else now_load
         rising = ahead.rate > now_load.rate  # the trend: no scale-down on the way up
         current = {p: obs.pools.get(p).provisioned if obs.pools.get(p) else 0 for p in pol.pools}
@@ -168,6 +178,9 @@ class Controller:
         # A backlog in a pool's engines is extra load for that pool: drained within a start-up time.
         sized = {p: self._with_backlog(load, obs.pools.get(p)) for p in pol.pools}
         need = {p: self.smallest(p, sized[p]) for p in pol.pools}
+        if len(obs.isl) >= MIN_SAMPLES:  # the last interval's lengths alone: a shift shows there first
+            latest = Load(load.rate, list(obs.isl), list(obs.osl))
+            need = {p: max(need[p], self.smallest(p, self._with_backlog(latest, obs.pools.get(p)))) for p in pol.pools}
         comfortable = {p: max(need[p], self.smallest(p, self._upper(sized[p]), pol.down_margin)) for p in pol.pools}
         missed = self._missed(obs, current, load)
         for p in pol.pools:
@@ -227,8 +240,11 @@ class Controller:
     def _upper(self, load: Load) -> Load:
         """The load at its rate's upper bound: `down_rate_z` Poisson standard errors of one
         interval's count above it."""
-        iv = max(self.policy.interval_s, 1e-9)
-        return Load(load.rate + self.policy.down_rate_z * math.sqrt(max(load.rate, 0.0) / iv), load.isl, load.osl)
+        return Load(load.rate + self.policy.down_rate_z * self._se(load.rate), load.isl, load.osl)
+
+    def _se(self, rate: float) -> float:
+        """One Poisson standard error of a rate measured over one interval."""
+        return math.sqrt(max(rate, 0.0) / max(self.policy.interval_s, 1e-9))
 
     def _with_backlog(self, load: Load, pool: Pool | None) -> Load:
         if pool is None or pool.waiting <= 0:

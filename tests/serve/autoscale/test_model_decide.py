@@ -191,3 +191,51 @@ def test_aggregated_pool_scales_on_both_targets():
     d = c.step(_obs(30, 10.0, {"agg": 1}))
     assert set(d.desired) == {"agg"} and d.desired["agg"] > 1
     assert c.predict({"agg": 16}, LOAD).meets(1.0, 0.05)
+
+
+def test_one_noisy_interval_adds_no_worker_but_a_sustained_rise_does():
+    """The rate just observed counts by its lower bound (`up_rate_z` standard errors below):
+    one interval a little past what the pools carry (a Poisson excursion, as a live ISL shift
+    met 60 s after a scale-down) leaves them; the same rate held does not."""
+    probe = _controller()
+
+    def need(r: float) -> int:
+        return probe.smallest("decode", Load(r, [2000] * 40, [200] * 40))
+    se = lambda r: math.sqrt(r / 30.0)  # noqa: E731
+    # T: the rate where the decode pool needs one worker more; hold just below it, then cross it
+    t = next(r / 100 for r in range(100, 4000) if need(r / 100) > max(3, need(r / 100 - 0.01)))
+    hold, spike = t - 0.5 * se(t), t + 0.05 * se(t)
+    assert need(hold) == need(spike) - 1
+    ups = {}
+    for z in (0.0, 1.0):
+        c = _controller(up_rate_z=z, down_sustain_s=1e9)  # no scale-down here
+        pools = {"prefill": 32, "decode": need(hold)}
+        for k in range(1, 8):
+            assert not c.step(_obs(30.0 * k, hold, pools)).changed
+        ups[z] = c.step(_obs(240.0, spike, pools)).desired["decode"] > pools["decode"]
+    assert ups == {0.0: True, 1.0: False}
+    later = [c.step(_obs(270.0 + 30 * k, spike, pools)).desired["decode"] for k in range(6)]
+    assert max(later) > pools["decode"]  # held, the level follows it and the pool grows
+
+
+def test_prompts_turning_long_size_the_prefill_pool_from_the_last_interval():
+    """The length samples pool three intervals; the last one alone (at least MIN_SAMPLES
+    requests) sizes a pool too, so a shift to long prompts is met one interval after it shows,
+    not three."""
+    from serve.autoscale.decide import MIN_SAMPLES
+
+    def obs(t: float, isl: int, n: int) -> Observation:
+        return Observation(t, 30.0, 450, [isl] * n, [200] * n,  # 15 req/s
+                           pools={"prefill": Pool(ready=p), "decode": Pool(ready=32)})
+    probe = _controller()
+    short, long_ = (probe.smallest("prefill", Load(15.0, [x] * 40, [200] * 40)) for x in (500, 6000))
+    assert long_ > short + 1
+    got = {}
+    for n in (MIN_SAMPLES, MIN_SAMPLES - 1):
+        c, p = _controller(max_step_up=100.0), short
+        for k in range(1, 6):
+            p = c.step(obs(30.0 * k, 500, 40)).desired["prefill"]
+        assert p == short
+        got[n] = c.step(obs(180.0, 6000, n)).desired["prefill"]
+    assert got[MIN_SAMPLES] == long_  # the last interval's prompts alone
+    assert short < got[MIN_SAMPLES - 1] < long_  # too few for that: the pooled samples, still mostly short
