@@ -2,14 +2,15 @@
 load it forecasts, reached in bounded steps, with hysteresis.
 
 Each interval (`Controller.step`):
-1. The load to size for: the larger of the rate just observed, less `up_rate_z` (1)
-   Poisson standard errors of its count (one noisy interval alone adds no worker; the
-   smoothed level still follows it), and Holt's forecast one start-up time plus one interval
-   ahead (a worker started now serves from then on), with the recent intervals' ISL/OSL
-   samples; plus, per pool, the requests waiting in its engines spread over a start-up time
-   (a backlog must drain too). A pool needs the larger of its count for those samples and
-   for the last interval's alone (at least `MIN_SAMPLES` of them): when prompts turn long,
-   the pooled samples lag by the intervals they pool.
+1. The load: the larger of the rate just observed and Holt's forecast one start-up time
+   plus one interval ahead (a worker started now serves from then on), with the recent
+   intervals' ISL/OSL samples; plus, per pool, the requests waiting in its engines spread
+   over a start-up time (a backlog must drain too). A pool must carry that load with each
+   rate estimate less `up_rate_z` (1) of its standard errors (a Poisson count's; the
+   smoothed level's is 0.58 of it): one noisy interval alone adds no worker, a sustained
+   rise does. A pool needs the larger of its count for those samples and for the last
+   interval's alone (at least `MIN_SAMPLES` of them): when prompts turn long, the pooled
+   samples lag by the intervals they pool.
 2. Under the model (serve/autoscale/model.py) TTFT depends on the prefill pool and ITL on
    the decode pool, so each pool's smallest count that meets its target is found on its
    own (a scan up from the pool's minimum): `need`. The smallest that meets it with margin
@@ -86,9 +87,10 @@ class Policy:
     # about 2 standard errors above the mean. With 1 SE a live pool loss at 2.4 req/s took a
     # prefill worker off on a low interval (2.27 req/s) and added it back 270 s later at 2.87.
     down_rate_z: float = 2.0
-    # The rate just observed counts by its lower bound, `up_rate_z` standard errors below: in a
-    # live ISL shift at 1.8 req/s a 30-s interval of 75 arrivals (2.5 req/s, the trace's own
-    # Poisson excursion) added workers to both pools 60 s after they were taken off.
+    # The rate just observed and the trend's forecast count by their lower bounds, `up_rate_z`
+    # standard errors below: in a live ISL shift at 1.8 req/s a 30-s interval of 75 arrivals
+    # (2.5 req/s, the trace's own Poisson excursion) added workers to both pools 60 s after they
+    # were taken off; with the observed rate's bound alone, Holt's forecast (2.35) still did.
     up_rate_z: float = 1.0
 
     @property
@@ -167,19 +169,23 @@ class Controller:
         self.trend.update(obs)
         if obs.step_scale is not None and obs.step_scale > 0:
             self.scale = 0.7 * self.scale + 0.3 * obs.step_scale
-        floor = max(0.0, obs.rate - pol.up_rate_z * self._se(obs.rate))
-        now_load = self.trend.load(0.0, floor=floor)
-        ahead = self.trend.load(pol.startup_s + pol.interval_s, floor=floor)
-        load = ahead if ahead.rate >= now_load.rate else now_load
+        now_load = self.trend.load(0.0, floor=obs.rate)
+        ahead = self.trend.load(pol.startup_s + pol.interval_s, floor=obs.rate)
+        load = ahead if ahead.rate >= now_load.rate else now_load  # scale-downs hold at its upper bound
         rising = ahead.rate > now_load.rate  # the trend: no scale-down on the way up
+        # what a pool must carry: the same, each estimate less `up_rate_z` of its standard errors
+        holt = max(self.trend.rate_at(0.0), self.trend.rate_at(pol.startup_s + pol.interval_s))
+        level_se = self.trend.level_noise() * self._se(self.trend.rate_at(0.0))
+        lower = Load(max(0.0, obs.rate - pol.up_rate_z * self._se(obs.rate), holt - pol.up_rate_z * level_se),
+                     load.isl, load.osl)
         current = {p: obs.pools.get(p).provisioned if obs.pools.get(p) else 0 for p in pol.pools}
         desired = dict(current)
         reasons = []
         # A backlog in a pool's engines is extra load for that pool: drained within a start-up time.
         sized = {p: self._with_backlog(load, obs.pools.get(p)) for p in pol.pools}
-        need = {p: self.smallest(p, sized[p]) for p in pol.pools}
+        need = {p: self.smallest(p, self._with_backlog(lower, obs.pools.get(p))) for p in pol.pools}
         if len(obs.isl) >= MIN_SAMPLES:  # the last interval's lengths alone: a shift shows there first
-            latest = Load(load.rate, list(obs.isl), list(obs.osl))
+            latest = Load(lower.rate, list(obs.isl), list(obs.osl))
             need = {p: max(need[p], self.smallest(p, self._with_backlog(latest, obs.pools.get(p)))) for p in pol.pools}
         comfortable = {p: max(need[p], self.smallest(p, self._upper(sized[p]), pol.down_margin)) for p in pol.pools}
         missed = self._missed(obs, current, load)
@@ -192,7 +198,7 @@ class Controller:
                 desired[p] = min(want, cur + step, hi)
                 reasons.append(f"{p} {cur}->{desired[p]}: " + (
                     f"measured p{pol.targets.percentile:g} missed its target at {cur}" if p in missed and need[p] <= cur
-                    else f"{need[p]} needed for {load.rate:.2f} req/s"))
+                    else f"{need[p]} needed for {lower.rate:.2f} req/s"))
                 self.enough_since[p] = None
                 continue
             if comfortable[p] < cur and p not in missed:
@@ -233,6 +239,7 @@ class Controller:
                     self.enough_since[p] = None  # a scale-down keeps its clock: the next step follows
         return Decision(obs.t, current, desired, "; ".join(reasons) or "targets met; no change",
                         {"rate": round(load.rate, 4), "observed_rate": round(obs.rate, 4),
+                         "sized_rate": round(lower.rate, 4),
                          "isl_mean": round(load.isl_mean, 1), "osl_mean": round(load.osl_mean, 1),
                          "step_scale": round(self.scale, 4)},
                         self._candidates(current, desired, need, load), obs.summary(pol.targets.percentile))

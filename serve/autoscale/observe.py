@@ -9,6 +9,7 @@ pool's workers by state. `Trend` forecasts the request rate with Holt's linear s
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -87,6 +88,11 @@ class Trend:
             self.slope = self.beta * (self.level - prev) + (1 - self.beta) * self.slope
         if obs.isl:
             self.lengths.append((list(obs.isl), list(obs.osl)))
+
+    def level_noise(self) -> float:
+        """The level's standard error in units of one interval's (exponential smoothing of
+        independent counts: sqrt(alpha / (2 - alpha)), 0.58 at alpha 0.5)."""
+        return math.sqrt(self.alpha / (2 - self.alpha))
 
     def rate_at(self, horizon_s: float) -> float:
         """The level plus the slope over the horizon, within [0, 1.25 x level]: a trend does

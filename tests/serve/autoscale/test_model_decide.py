@@ -194,17 +194,18 @@ def test_aggregated_pool_scales_on_both_targets():
 
 
 def test_one_noisy_interval_adds_no_worker_but_a_sustained_rise_does():
-    """The rate just observed counts by its lower bound (`up_rate_z` standard errors below):
-    one interval a little past what the pools carry (a Poisson excursion, as a live ISL shift
-    met 60 s after a scale-down) leaves them; the same rate held does not."""
+    """The rate just observed and the trend's forecast count by their lower bounds
+    (`up_rate_z` standard errors below): one interval half a standard error past what the
+    pools carry (a Poisson excursion, as a live ISL shift met 60 s after a scale-down) leaves
+    them; a rise held does not."""
     probe = _controller()
 
     def need(r: float) -> int:
         return probe.smallest("decode", Load(r, [2000] * 40, [200] * 40))
     se = lambda r: math.sqrt(r / 30.0)  # noqa: E731
-    # T: the rate where the decode pool needs one worker more; hold just below it, then cross it
+    # T: the rate where the decode pool needs one worker more; hold below it, then cross it
     t = next(r / 100 for r in range(100, 4000) if need(r / 100) > max(3, need(r / 100 - 0.01)))
-    hold, spike = t - 0.5 * se(t), t + 0.05 * se(t)
+    hold, spike, risen = t - 0.5 * se(t), t + 0.5 * se(t), t + 1.2 * se(t)
     assert need(hold) == need(spike) - 1
     ups = {}
     for z in (0.0, 1.0):
@@ -213,8 +214,9 @@ def test_one_noisy_interval_adds_no_worker_but_a_sustained_rise_does():
         for k in range(1, 8):
             assert not c.step(_obs(30.0 * k, hold, pools)).changed
         ups[z] = c.step(_obs(240.0, spike, pools)).desired["decode"] > pools["decode"]
+        assert not c.step(_obs(270.0, hold, pools)).changed or z == 0.0
     assert ups == {0.0: True, 1.0: False}
-    later = [c.step(_obs(270.0 + 30 * k, spike, pools)).desired["decode"] for k in range(6)]
+    later = [c.step(_obs(300.0 + 30 * k, risen, pools)).desired["decode"] for k in range(6)]
     assert max(later) > pools["decode"]  # held, the level follows it and the pool grows
 
 
@@ -228,7 +230,8 @@ def test_prompts_turning_long_size_the_prefill_pool_from_the_last_interval():
         return Observation(t, 30.0, 450, [isl] * n, [200] * n,  # 15 req/s
                            pools={"prefill": Pool(ready=p), "decode": Pool(ready=32)})
     probe = _controller()
-    short, long_ = (probe.smallest("prefill", Load(15.0, [x] * 40, [200] * 40)) for x in (500, 6000))
+    low = 15.0 - math.sqrt(15.0 / 30.0)  # the lowest rate it may size for (the observed's lower bound)
+    short, long_ = (probe.smallest("prefill", Load(r, [x] * 40, [200] * 40)) for r, x in ((15.0, 500), (low, 6000)))
     assert long_ > short + 1
     got = {}
     for n in (MIN_SAMPLES, MIN_SAMPLES - 1):
@@ -237,5 +240,5 @@ def test_prompts_turning_long_size_the_prefill_pool_from_the_last_interval():
             p = c.step(obs(30.0 * k, 500, 40)).desired["prefill"]
         assert p == short
         got[n] = c.step(obs(180.0, 6000, n)).desired["prefill"]
-    assert got[MIN_SAMPLES] == long_  # the last interval's prompts alone
+    assert got[MIN_SAMPLES] >= long_  # the last interval's prompts alone
     assert short < got[MIN_SAMPLES - 1] < long_  # too few for that: the pooled samples, still mostly short
