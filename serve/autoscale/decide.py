@@ -5,10 +5,10 @@ Each interval (`Controller.step`):
 1. The load: the larger of the rate just observed and Holt's forecast one start-up time
    plus one interval ahead (a worker started now serves from then on), with the recent
    intervals' ISL/OSL samples; plus, per pool, the requests waiting in its engines spread
-   over a start-up time (a backlog must drain too). A pool must carry that load with each
-   rate estimate less `up_rate_z` (1) of its standard errors (a Poisson count's; the
-   smoothed level's is 0.58 of it): one noisy interval alone adds no worker, a sustained
-   rise does. A pool needs the larger of its count for those samples and for the last
+   over a start-up time (a backlog must drain too). A pool scaled down within
+   `reverse_guard_s` grows again only for that load with each rate estimate less `up_rate_z`
+   (1) of its standard errors (a Poisson count's; the smoothed level's is 0.58 of it): one
+   noisy interval alone does not undo a scale-down, a sustained rise does. A pool needs the larger of its count for those samples and for the last
    interval's alone (at least `MIN_SAMPLES` of them): when prompts turn long, the pooled
    samples lag by the intervals they pool.
 2. Under the model (serve/autoscale/model.py) TTFT depends on the prefill pool and ITL on
@@ -87,10 +87,12 @@ class Policy:
     # about 2 standard errors above the mean. With 1 SE a live pool loss at 2.4 req/s took a
     # prefill worker off on a low interval (2.27 req/s) and added it back 270 s later at 2.87.
     down_rate_z: float = 2.0
-    # The rate just observed and the trend's forecast count by their lower bounds, `up_rate_z`
-    # standard errors below: in a live ISL shift at 1.8 req/s a 30-s interval of 75 arrivals
-    # (2.5 req/s, the trace's own Poisson excursion) added workers to both pools 60 s after they
-    # were taken off; with the observed rate's bound alone, Holt's forecast (2.35) still did.
+    # Within the reversal guard of a pool's scale-down, the rate just observed and the trend's
+    # forecast count by their lower bounds, `up_rate_z` standard errors below: in a live ISL
+    # shift at 1.8 req/s a 30-s interval of 75 arrivals (2.5 req/s, the trace's own Poisson
+    # excursion) added workers to both pools 60 s after they were taken off; with the observed
+    # rate's bound alone, Holt's forecast (2.35) still did. Everywhere (the diurnal's rise),
+    # the bound cost a window at 2 prefill workers (one interval later).
     up_rate_z: float = 1.0
 
     @property
@@ -129,6 +131,7 @@ class Controller:
         self.scale = 1.0
         self.enough_since: dict[str, float | None] = {p: None for p in policy.pools}
         self.last_up: dict[str, float] = {p: -math.inf for p in policy.pools}
+        self.last_down: dict[str, float] = {p: -math.inf for p in policy.pools}
         self.last_change: dict[str, float] = {p: -math.inf for p in policy.pools}
         self.prev_missed: set[str] = set()
         self.prev_rate: float | None = None
@@ -173,7 +176,8 @@ class Controller:
         ahead = self.trend.load(pol.startup_s + pol.interval_s, floor=obs.rate)
         load = ahead if ahead.rate >= now_load.rate else now_load  # scale-downs hold at its upper bound
         rising = ahead.rate > now_load.rate  # the trend: no scale-down on the way up
-        # what a pool must carry: the same, each estimate less `up_rate_z` of its standard errors
+        # what a pool scaled down within the guard must carry before it grows again: the same
+        # load, each rate estimate less `up_rate_z` of its standard errors
         holt = max(self.trend.rate_at(0.0), self.trend.rate_at(pol.startup_s + pol.interval_s))
         level_se = self.trend.level_noise() * self._se(self.trend.rate_at(0.0))
         lower = Load(max(0.0, obs.rate - pol.up_rate_z * self._se(obs.rate), holt - pol.up_rate_z * level_se),
@@ -183,10 +187,13 @@ class Controller:
         reasons = []
         # A backlog in a pool's engines is extra load for that pool: drained within a start-up time.
         sized = {p: self._with_backlog(load, obs.pools.get(p)) for p in pol.pools}
-        need = {p: self.smallest(p, self._with_backlog(lower, obs.pools.get(p))) for p in pol.pools}
+        guard = max(pol.reverse_guard_s, MIN_REVERSE_GUARD_S)
+        up_load = {p: lower if obs.t - self.last_down[p] < guard else load for p in pol.pools}
+        need = {p: self.smallest(p, self._with_backlog(up_load[p], obs.pools.get(p))) for p in pol.pools}
         if len(obs.isl) >= MIN_SAMPLES:  # the last interval's lengths alone: a shift shows there first
-            latest = Load(lower.rate, list(obs.isl), list(obs.osl))
-            need = {p: max(need[p], self.smallest(p, self._with_backlog(latest, obs.pools.get(p)))) for p in pol.pools}
+            need = {p: max(need[p], self.smallest(p, self._with_backlog(Load(up_load[p].rate, list(obs.isl),
+                                                                             list(obs.osl)), obs.pools.get(p))))
+                    for p in pol.pools}
         comfortable = {p: max(need[p], self.smallest(p, self._upper(sized[p]), pol.down_margin)) for p in pol.pools}
         missed = self._missed(obs, current, load)
         for p in pol.pools:
@@ -198,7 +205,7 @@ class Controller:
                 desired[p] = min(want, cur + step, hi)
                 reasons.append(f"{p} {cur}->{desired[p]}: " + (
                     f"measured p{pol.targets.percentile:g} missed its target at {cur}" if p in missed and need[p] <= cur
-                    else f"{need[p]} needed for {lower.rate:.2f} req/s"))
+                    else f"{need[p]} needed for {up_load[p].rate:.2f} req/s"))
                 self.enough_since[p] = None
                 continue
             if comfortable[p] < cur and p not in missed:
@@ -206,7 +213,6 @@ class Controller:
                 if since is None:
                     self.enough_since[p] = since = obs.t
                 held = obs.t - since
-                guard = max(pol.reverse_guard_s, MIN_REVERSE_GUARD_S)
                 if held < pol.down_sustain_s:
                     reasons.append(f"{p} holds {cur}: {comfortable[p]} would do, for {held:.0f} of "
                                    f"{pol.down_sustain_s:.0f} s")
@@ -234,6 +240,8 @@ class Controller:
         for p in pol.pools:
             if desired[p] != current[p]:
                 self.last_change[p] = obs.t
+                if desired[p] < current[p]:
+                    self.last_down[p] = obs.t
                 if desired[p] > current[p]:
                     self.last_up[p] = obs.t
                     self.enough_since[p] = None  # a scale-down keeps its clock: the next step follows

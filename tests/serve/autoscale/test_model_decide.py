@@ -193,11 +193,12 @@ def test_aggregated_pool_scales_on_both_targets():
     assert c.predict({"agg": 16}, LOAD).meets(1.0, 0.05)
 
 
-def test_one_noisy_interval_adds_no_worker_but_a_sustained_rise_does():
-    """The rate just observed and the trend's forecast count by their lower bounds
-    (`up_rate_z` standard errors below): one interval half a standard error past what the
-    pools carry (a Poisson excursion, as a live ISL shift met 60 s after a scale-down) leaves
-    them; a rise held does not."""
+def test_one_noisy_interval_does_not_undo_a_scale_down_but_a_sustained_rise_does():
+    """Within the reversal guard of a scale-down, the rate just observed and the trend's
+    forecast count by their lower bounds (`up_rate_z` standard errors below): one interval
+    half a standard error past what the pool carries (a Poisson excursion, as a live ISL shift
+    met 60 s after a scale-down) leaves it; a rise held does not. Without a recent scale-down
+    the same interval adds a worker at once."""
     probe = _controller()
 
     def need(r: float) -> int:
@@ -208,15 +209,16 @@ def test_one_noisy_interval_adds_no_worker_but_a_sustained_rise_does():
     hold, spike, risen = t - 0.5 * se(t), t + 0.5 * se(t), t + 1.2 * se(t)
     assert need(hold) == need(spike) - 1
     ups = {}
-    for z in (0.0, 1.0):
-        c = _controller(up_rate_z=z, down_sustain_s=1e9)  # no scale-down here
+    for z, scaled_down in ((1.0, False), (0.0, True), (1.0, True)):
+        c = _controller(up_rate_z=z, down_sustain_s=1e9)  # it takes no scale-down of its own here
         pools = {"prefill": 32, "decode": need(hold)}
         for k in range(1, 8):
             assert not c.step(_obs(30.0 * k, hold, pools)).changed
-        ups[z] = c.step(_obs(240.0, spike, pools)).desired["decode"] > pools["decode"]
-        assert not c.step(_obs(270.0, hold, pools)).changed or z == 0.0
-    assert ups == {0.0: True, 1.0: False}
-    later = [c.step(_obs(300.0 + 30 * k, risen, pools)).desired["decode"] for k in range(6)]
+        if scaled_down:
+            c.last_down["decode"] = 30.0 * 7  # as if that pool had just been shrunk to this size
+        ups[(z, scaled_down)] = c.step(_obs(240.0, spike, pools)).desired["decode"] > pools["decode"]
+    assert ups == {(1.0, False): True, (0.0, True): True, (1.0, True): False}
+    later = [c.step(_obs(270.0 + 30.0 * j, risen, pools)).desired["decode"] for j in range(6)]
     assert max(later) > pools["decode"]  # held, the level follows it and the pool grows
 
 
