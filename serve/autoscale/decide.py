@@ -8,9 +8,10 @@ Each interval (`Controller.step`):
    over a start-up time (a backlog must drain too). A pool scaled down within
    `reverse_guard_s` grows again only for that load with each rate estimate less `up_rate_z`
    (1) of its standard errors (a Poisson count's; the smoothed level's is 0.58 of it): one
-   noisy interval alone does not undo a scale-down, a sustained rise does. A pool needs the larger of its count for those samples and for the last
-   interval's alone (at least `MIN_SAMPLES` of them): when prompts turn long, the pooled
-   samples lag by the intervals they pool.
+   noisy interval alone does not undo a scale-down, a sustained rise does. A pool needs the
+   larger of its count for those samples and for the last interval's alone (at least
+   `MIN_SAMPLES` of them): when prompts turn long, the pooled samples lag by the intervals
+   they pool.
 2. Under the model (serve/autoscale/model.py) TTFT depends on the prefill pool and ITL on
    the decode pool, so each pool's smallest count that meets its target is found on its
    own (a scan up from the pool's minimum): `need`. The smallest that meets it with margin
@@ -247,7 +248,7 @@ class Controller:
                     self.enough_since[p] = None  # a scale-down keeps its clock: the next step follows
         return Decision(obs.t, current, desired, "; ".join(reasons) or "targets met; no change",
                         {"rate": round(load.rate, 4), "observed_rate": round(obs.rate, 4),
-                         "sized_rate": round(lower.rate, 4),
+                         "rate_lower_bound": round(lower.rate, 4),  # sized for within a scale-down's guard
                          "isl_mean": round(load.isl_mean, 1), "osl_mean": round(load.osl_mean, 1),
                          "step_scale": round(self.scale, 4)},
                         self._candidates(current, desired, need, load), obs.summary(pol.targets.percentile))
