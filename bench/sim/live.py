@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from serve.auth import token_headers
+from bench.sim.slo import reversal_count
 from bench.sim.scenarios import (INTERVAL_S, ITL_S, MODEL, PERCENTILE, SCENARIOS, STARTUP_S, SYSTEM, TP, TTFT_S,
                                  WINDOW_S, Scenario, trace)
 
@@ -256,24 +257,12 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
            "stopped": sum(a["kind"] == "stop" for a in acts),
            "actuator_errors": [a for a in acts if a["kind"] == "error"],
            "slo_attainment": round(met / len(ws), 4) if ws else None, "missed_windows": len(ws) - met,
-           "reversals_within_10min": _reversals(explain["decisions"])}
+           "reversals_within_10min": reversal_count((x["t"], x["current"], x["desired"])
+                                                    for x in sorted(explain["decisions"], key=lambda x: x["t"]))}
     (d / "live.json").write_text(json.dumps({**row, "windows": ws, "series": watch.series,
                                              "decisions": [x for x in explain["decisions"] if x["changed"]],
                                              "actions": acts}, indent=1) + "\n")
     return row
-
-
-def _reversals(decisions: list[dict[str, Any]], within_s: float = 600.0) -> int:
-    n, last = 0, {}
-    for d in sorted(decisions, key=lambda x: x["t"]):
-        for p, want in d["desired"].items():
-            delta = want - d["current"][p]
-            if delta:
-                sign = 1 if delta > 0 else -1
-                if p in last and last[p][1] != sign and d["t"] - last[p][0] < within_s:
-                    n += 1
-                last[p] = (d["t"], sign)
-    return n
 
 
 def table(rows: list[dict[str, Any]]) -> str:

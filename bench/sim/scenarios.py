@@ -252,7 +252,8 @@ def run_scenario(name: str, out: Path, seeds: int = 1, cooldown_s: float = COOLD
            # per event, the worst trace's
            "misses_per_event": [max(x) for x in zip(*(misses_per_event(a["windows"], s.events_s) for a in autos))],
            "cooldown_s": cooldown_s, "static_baseline": base,
-           "worker_hours_vs_static": round(hours / base["worker_hours"], 4) if base and base["worker_hours"] else None, "allowed_misses_per_event": math.ceil(STARTUP_S / WINDOW_S) + 2,
+           "worker_hours_vs_static": round(hours / base["worker_hours"], 4) if base and base["worker_hours"] else None,
+           "allowed_misses_per_event": math.ceil(STARTUP_S / WINDOW_S) + 2,
            "per_seed": [{"seed": seed, "requests": a["requests"], "worker_hours": a["worker_hours"],
                          "missed_windows": sum(not w["met"] for w in a["windows"]), "failed": a["failed"],
                          "reversals_within_10min": a["autoscaler"]["reversals_within_10min"]}

@@ -4,6 +4,7 @@ reversed within 10 minutes. The targets are the scenarios' (live runs stretch th
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 TTFT_S, ITL_S, PERCENTILE = 2.0, 0.060, 90.0
@@ -43,19 +44,25 @@ def windows(records: list[Any], killed: list[str] | tuple[str, ...] = ()) -> lis
     return out
 
 
-def reversals(scaler: Any, within_s: float = 600.0) -> int:
-    """Pool-level direction changes within `within_s` of that pool's previous change."""
+def reversal_count(moves: Iterable[tuple[float, dict[str, int], dict[str, int]]], within_s: float = 600.0) -> int:
+    """Pool-level direction changes within `within_s` of that pool's previous change, over
+    (t, current, desired) decisions in time order."""
     n, last = 0, {}
-    for d in scaler.decisions:
-        for p in d.desired:
-            delta = d.desired[p] - d.current[p]
+    for t, current, desired in moves:
+        for p in desired:
+            delta = desired[p] - current[p]
             if delta == 0:
                 continue
             sign = 1 if delta > 0 else -1
-            if p in last and last[p][1] != sign and d.t - last[p][0] < within_s:
+            if p in last and last[p][1] != sign and t - last[p][0] < within_s:
                 n += 1
-            last[p] = (d.t, sign)
+            last[p] = (t, sign)
     return n
+
+
+def reversals(scaler: Any, within_s: float = 600.0) -> int:
+    """`reversal_count` over an offline scaler's decisions."""
+    return reversal_count(((d.t, d.current, d.desired) for d in scaler.decisions), within_s)
 
 
 def misses_per_event(ws: list[dict[str, Any]], events: tuple[float, ...]) -> list[int]:

@@ -190,11 +190,7 @@ class Controller:
         sized = {p: self._with_backlog(load, obs.pools.get(p)) for p in pol.pools}
         guard = max(pol.reverse_guard_s, MIN_REVERSE_GUARD_S)
         up_load = {p: lower if obs.t - self.last_down[p] < guard else load for p in pol.pools}
-        need = {p: self.smallest(p, self._with_backlog(up_load[p], obs.pools.get(p))) for p in pol.pools}
-        if len(obs.isl) >= MIN_SAMPLES:  # the last interval's lengths alone: a shift shows there first
-            need = {p: max(need[p], self.smallest(p, self._with_backlog(Load(up_load[p].rate, list(obs.isl),
-                                                                             list(obs.osl)), obs.pools.get(p))))
-                    for p in pol.pools}
+        need = {p: self._need(p, up_load[p], obs) for p in pol.pools}
         comfortable = {p: max(need[p], self.smallest(p, self._upper(sized[p]), pol.down_margin)) for p in pol.pools}
         missed = self._missed(obs, current, load)
         for p in pol.pools:
@@ -252,6 +248,15 @@ class Controller:
                          "isl_mean": round(load.isl_mean, 1), "osl_mean": round(load.osl_mean, 1),
                          "step_scale": round(self.scale, 4)},
                         self._candidates(current, desired, need, load), obs.summary(pol.targets.percentile))
+
+    def _need(self, pool: str, load: Load, obs: Observation) -> int:
+        """The pool's smallest count for `load` plus its backlog, and for the last interval's
+        lengths alone when it has `MIN_SAMPLES` requests (a shift shows there first)."""
+        n = self.smallest(pool, self._with_backlog(load, obs.pools.get(pool)))
+        if len(obs.isl) >= MIN_SAMPLES:
+            latest = Load(load.rate, list(obs.isl), list(obs.osl))
+            n = max(n, self.smallest(pool, self._with_backlog(latest, obs.pools.get(pool))))
+        return n
 
     def _upper(self, load: Load) -> Load:
         """The load at its rate's upper bound: `down_rate_z` Poisson standard errors of one
