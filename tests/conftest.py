@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 # Re-exported: tests import these from here or from tests.helpers.procs.
-from tests.helpers.procs import ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, ROOT, Proc, free_port  # noqa: F401
+from tests.helpers.procs import ENGINE_FLAGS, ENGINE_READY_TIMEOUT_S, LOG_DIR, MODEL, ROOT, Proc, free_port  # noqa: F401
 
 
 # The suite runs under pytest-xdist (`-n auto`, pyproject.toml) with the scheduler below:
@@ -119,7 +119,7 @@ def agg_worker(model_dir: str) -> Iterator[str]:
     port = free_port()
     proc = Proc("agg-worker", ["worker", "--role", "agg", "--host", "127.0.0.1", "--port", str(port),
                                "--model", model_dir, "--served-model-name", "smollm2-135m-instruct",
-                               "--cpu-cores", "0", "--kv-cache-gib", "1", "--max-num-seqs", "32"])
+                               "--cpu-cores", "0", "--kv-cache-gib", "1", "--max-num-seqs", "32", *ENGINE_FLAGS])
     url = f"http://127.0.0.1:{port}"
     try:
         proc.wait_http(f"{url}/health", ENGINE_READY_TIMEOUT_S)

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from serve.common.procs import signal_group
-from tests.helpers.procs import ENGINE_READY_TIMEOUT_S, MODEL, Proc, free_port
+from tests.helpers.procs import ENGINE_FLAGS, ENGINE_READY_TIMEOUT_S, MODEL, Proc, free_port
 from tests.helpers.workerclient import metric, metrics, reset_prefix_cache, wait_for
 
 # The prefill side's KV lease. The transfer-fault tests hold a decode worker before its READ
@@ -53,7 +53,8 @@ class RealCluster:
         self.procs[name] = Proc(f"cluster-{name}", [
             "worker", "--role", role, "--port", str(port), "--model", self.model_dir, "--served-model-name", MODEL,
             "--cpu-cores", str(core), "--kv-cache-gib", "1", "--max-num-seqs", "8", "--max-model-len", "4096",
-            "--lease-seconds", "2", "--kv-lease-seconds", str(LEASE_S), "--frontend", self.frontend],
+            "--lease-seconds", "2", "--kv-lease-seconds", str(LEASE_S), "--frontend", self.frontend,
+            *ENGINE_FLAGS],
             env={"PDSERVE_KV_FAULT_PAUSE_FILE": str(self.pause_file(name))})
 
     def wait_ready(self, *names: str) -> None:

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from serve.common import procs, sse
-from tests.helpers.procs import LOG_DIR, MODEL
+from tests.helpers.procs import LOG_DIR, MODEL, fast_16bit_cpu
 from tests.helpers.realcluster import LEASE_S
 from tests.helpers.realcluster import RealCluster as Cluster
 from tests.helpers.workerclient import metric, metrics, wait_for
@@ -38,8 +38,10 @@ pytestmark = pytest.mark.engine
 CLIENTS = 16  # concurrent clients in the disconnect test
 DISCONNECTS = 300  # requests in it: each of its 10 hang-up points 30 times (500 cost the suite ~25 s more)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-# ~2500 prompt tokens: a prefill long enough (about a second here) to kill the worker inside it.
-LONG = [{"role": "user", "content": " ".join(f"item{i % 50} is number {i}." for i in range(400))
+# A prefill long enough to kill the worker inside it: ~3,840 prompt tokens, about a second with
+# AVX-512; ~1,000 on an AVX2-only CPU, whose float32 engines (ENGINE_FLAGS) take ~6 s for them.
+LONG_ITEMS = 400 if fast_16bit_cpu() else 100
+LONG = [{"role": "user", "content": " ".join(f"item{i % 50} is number {i}." for i in range(LONG_ITEMS))
          + " What is the capital of France?"}]
 
 
@@ -136,7 +138,7 @@ def test_clients_that_disconnect_leave_no_blocks_behind(cluster):
 
     def hang_up_during_prefill(k: int) -> None:
         # A client that leaves while its prefill runs: the request goes out on a plain socket,
-        # which is closed once the prefill worker is busy with it (~2500 prompt tokens no
+        # which is closed once the prefill worker is busy with it (LONG's prompt tokens, which no
         # prefix cache holds: LONG itself is cached by now).
         payload = json.dumps({**body, "messages": [{"role": "user", "content": f"Variant {k}. {LONG[0]['content']}"}]})
         host, port = cluster.frontend.removeprefix("http://").rsplit(":", 1)

@@ -59,8 +59,9 @@ def run(model_dir: str, cap: int) -> tuple[float, float, list[int], float]:
             # The autoscaler counts what the frontend holds as the prefill pool's backlog.
             assert asyncio.run(prefill_backlog(c.url)) >= N - 4 * cap
         else:
-            wait_for(lambda: httpx.get(f"{first}/load", timeout=5).json()["active_requests"] >= N - 1, 10,
-                     "the backlog on the first worker")
+            # Every prompt on the first worker: queued or running there, or already served by it.
+            wait_for(lambda: httpx.get(f"{first}/load", timeout=5).json()["active_requests"] + prefills(first) >= N,
+                     10, "the backlog on the first worker")
         second = c.add_worker("prefill", engine_flags=SLOW)
         for t in threads:
             t.join(60)
