@@ -16,7 +16,7 @@ import math
 import httpx
 import pytest
 
-from tests.helpers.procs import MODEL, Proc, free_port
+from tests.helpers.procs import ENGINE_FLAGS, MODEL, Proc, free_port
 from tests.helpers.workerclient import generate, metric, metrics, reset_prefix_cache, wait_for
 
 pytestmark = pytest.mark.engine
@@ -42,19 +42,22 @@ def start_worker(role: str, core: int, model_dir: str, extra: list[str], wait: b
 
 def machine_kv_dtype() -> str:
     """fp8, the product's KV format, where vLLM's CPU backend can store it (x86 with AVX-512
-    or AMX); bf16 (the model's dtype) elsewhere, so the transfer is still checked end to end
-    on every machine. bf16 transfers are also exercised by every disaggregated test
-    (test_disagg_e2e.py and test_faults.py compare their answers with the aggregated
-    engine's). A second pair of engines for the other dtype cost this suite ~80 s."""
+    or AMX); elsewhere the engines' own dtype (float32 on such a CPU, tests/helpers/procs.py's
+    ENGINE_FLAGS: in bf16 this module alone took 406 s there), so the transfer is still
+    checked end to end on every machine. bf16 transfers are exercised by every disaggregated
+    test on AVX-512 machines (test_disagg_e2e.py and test_faults.py compare their answers with
+    the aggregated engine's). A second pair of engines for the other dtype cost this suite ~80 s."""
     from serve.engine import cpu_avx512_or_amx
 
-    return "fp8" if cpu_avx512_or_amx() else "bf16"
+    if cpu_avx512_or_amx():
+        return "fp8"
+    return "fp32" if "float32" in ENGINE_FLAGS else "bf16"
 
 
 @pytest.fixture(scope="module")
 def pair(model_dir):
     kind = machine_kv_dtype()
-    extra = ["--kv-cache-dtype", "fp8"] if kind == "fp8" else []
+    extra = ["--kv-cache-dtype", "fp8"] if kind == "fp8" else ENGINE_FLAGS
     procs = []
     try:
         p, purl = start_worker("prefill", 0, model_dir, extra, wait=False)
@@ -114,7 +117,7 @@ def transfer_log(text: str) -> list[str]:
 
 def block_bytes(kind: str) -> int:
     layers, kv_heads, head_dim = 30, 3, 64
-    return layers * kv_heads * BLOCK * head_dim * 2 * (1 if kind == "fp8" else 2)
+    return layers * kv_heads * BLOCK * head_dim * 2 * {"fp8": 1, "bf16": 2, "fp32": 4}[kind]
 
 
 def test_transfer_matches_engine_alone_and_moves_the_kv(pair, tokenizer):
@@ -226,15 +229,17 @@ def test_blocks_return_to_baseline_after_aborts(pair, tokenizer):
 def test_mismatched_kv_dtype_is_refused_with_both_values(pair, model_dir, tokenizer, request):
     """A decode engine whose KV cache dtype differs from the prefill's: bf16 against an fp8
     pair, the session's real cluster's decode worker (bf16, started anyway; no third engine
-    to start here); where fp8 is not available (the pair is bf16), a float32 engine."""
+    to start here); where fp8 is not available, an engine of the other 16/32-bit dtype."""
     kind, purl, _, _ = pair
     proc = None
     if kind == "fp8":
         cluster = request.getfixturevalue("real_disagg")
         log, durl, local, remote = cluster.procs["decode1"].log_path, cluster.urls["decode1"], "bfloat16", "fp8"
     else:
-        proc, durl = start_worker("decode", 1, model_dir, ["--dtype", "float32"])
-        log, local, remote = proc.log_path, "float32", "bfloat16"
+        pair_dtype = "float32" if kind == "fp32" else "bfloat16"
+        local = "bfloat16" if kind == "fp32" else "float32"
+        proc, durl = start_worker("decode", 1, model_dir, ["--dtype", local])
+        log, remote = proc.log_path, pair_dtype
     try:
         ids = prompts(tokenizer)[8]
         pre = generate(purl, ids, max_tokens=1, remote_decode=True, request_id="mismatch-p")

@@ -15,6 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from serve.common import sse
 from tests.helpers.openai import aborted_count, assert_envelope, wait_idle
 from tests.conftest import MODEL, Proc, free_port
+from tests.helpers.procs import ENGINE_FLAGS
 
 pytestmark = pytest.mark.engine
 
@@ -108,7 +109,8 @@ def test_seeded_long_prompt_is_served_and_reproducible(frontend, agg_worker, tok
     # K and V of every layer, from the model's own config and the engine's KV dtype.
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype_bytes = 1 if info["kv_cache_dtype"].startswith("fp8") else 2
+    # An "auto" KV cache holds the model's dtype: bf16, or float32 where ENGINE_FLAGS ask for it.
+    dtype_bytes = 1 if info["kv_cache_dtype"].startswith("fp8") else 4 if "float32" in ENGINE_FLAGS else 2
     assert info["kv_bytes_per_block"] == (2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim
                                           * dtype_bytes * info["block_size"])
 
