@@ -14,7 +14,7 @@ import uuid
 
 import pytest
 
-from tests.helpers.procs import MODEL, Proc
+from tests.helpers.procs import ENGINE_FLAGS, MODEL, Proc
 from tests.helpers.workerclient import generate, metric, metrics, reset_prefix_cache
 
 pytestmark = [
@@ -67,7 +67,7 @@ def ns_proc(name: str, netns: str, args: list[str]) -> Proc:
 
 def test_transfer_across_namespaces_over_tcp(namespaces, model_dir, tokenizer):
     common = ["--served-model-name", MODEL, "--model", model_dir, "--kv-transport", "tcp", "--kv-cache-gib", "1",
-              "--max-num-seqs", "4", "--max-model-len", "2048", "--host", "0.0.0.0", "--port", "8300"]
+              "--max-num-seqs", "4", "--max-model-len", "2048", "--host", "0.0.0.0", "--port", "8300", *ENGINE_FLAGS]
     p = ns_proc("netns-prefill", namespaces["p"], ["worker", "--role", "prefill", "--cpu-cores", "0",
                                                    "--advertise-host", "10.213.3.1", *common])
     d = ns_proc("netns-decode", namespaces["d"], ["worker", "--role", "decode", "--cpu-cores", "1",
