@@ -1,6 +1,7 @@
 """How tests/conftest.py spreads the suite over xdist workers: every module that starts real
 engines is in the one serial engine unit; modules that only import the engine stack are not;
-the modules that import torch share a unit; the long units it hands out first exist."""
+the modules that import torch share a unit; the long units it hands out first exist. And the
+engine flags tests/helpers/procs.py adds on a CPU without AVX-512 or AMX."""
 
 from __future__ import annotations
 
@@ -28,3 +29,16 @@ def test_the_long_units_exist():
     assert LONG_UNITS[:2] == (ENGINE_UNIT, TORCH_UNIT)
     for module in LONG_UNITS[2:]:
         assert (TESTS.parent / module).is_file(), module
+
+
+def test_engine_flags_ask_for_float32_only_on_a_cpu_without_avx512_or_amx():
+    """tests/helpers/procs.py reads /proc/cpuinfo's flags: the compared test engines run float32
+    where vLLM's bf16 kernels are slow (AVX2 only), the model's dtype elsewhere."""
+    from tests.helpers.procs import ENGINE_FLAGS, fast_16bit_cpu
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n"
+    assert fast_16bit_cpu(avx2) is False
+    assert fast_16bit_cpu(avx2.replace("avx2", "avx2 avx512f avx512bw")) is True
+    assert fast_16bit_cpu(avx2.replace("avx2", "avx2 amx_tile amx_bf16")) is True
+    assert fast_16bit_cpu("processor\t: 0\n") is True  # no flags line (not x86): nothing changed
+    assert ENGINE_FLAGS == ([] if fast_16bit_cpu() else ["--dtype", "float32"])
