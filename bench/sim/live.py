@@ -34,10 +34,10 @@ from typing import Any
 
 import httpx
 
-from serve.auth import token_headers
-from bench.sim.slo import reversal_count
 from bench.sim.scenarios import (INTERVAL_S, ITL_S, MODEL, PERCENTILE, SCENARIOS, STARTUP_S, SYSTEM, TP, TTFT_S,
                                  WINDOW_S, Scenario, trace)
+from bench.sim.slo import reversal_count
+from serve.auth import token_headers
 
 RATE_SCALE = 0.3
 MAX_NUM_SEQS = 4  # decode slots per worker: a small batch, so the box's traffic needs many workers
