@@ -21,7 +21,10 @@ from tests.helpers.workerclient import generate, metric, metrics, reset_prefix_c
 
 pytestmark = pytest.mark.engine
 
-LEASE_S = 4.0
+# Long enough that a transfer the test means to succeed is not lost to a stalled engine: the
+# suite runs other tests beside this module (xdist) on two cores, and on CI one of fourteen
+# reads in a row once came after a 4 s lease had expired. The expiry test waits it out once.
+LEASE_S = 10.0
 BLOCK = 128
 # Block edges (127/128/129, 255/256/257), one token, and long prompts; not all multiples in between
 # (each prompt costs a prefill, a decode and a cold run alone).
@@ -110,9 +113,10 @@ def expected_blocks(ps: list[list[int]]) -> list[int]:
 
 
 def transfer_log(text: str) -> list[str]:
-    """The decode worker's per-load lines (each READ with its blocks, each failure with its reason)."""
-    return [line.split("kvtransfer: ", 1)[1] for line in text.splitlines()
-            if "kvtransfer: read " in line or "kvtransfer: load of " in line]
+    """The decode worker's per-load lines (each READ with its blocks, each failure with its
+    reason, each slow acquire with its handshake and queueing times)."""
+    kinds = ("kvtransfer: read ", "kvtransfer: load of ", "kvtransfer: acquire of ", "kvtransfer: handshake ")
+    return [line.split("kvtransfer: ", 1)[1] for line in text.splitlines() if any(k in line for k in kinds)]
 
 
 def block_bytes(kind: str) -> int:
@@ -124,6 +128,18 @@ def test_transfer_matches_engine_alone_and_moves_the_kv(pair, tokenizer):
     kind, purl, durl, dproc = pair
     ps = prompts(tokenizer)
     assert len(ps) >= 14 and sorted({len(p) for p in ps}) == sorted({len(p) for p in ps})
+    # One transfer first, outside the counts: the pair's handshake and both engines' first
+    # steps. Its prompt is under a block, so it leaves nothing in the decode's prefix cache.
+    warm = tokenizer.encode("Hello there, warm-up.", add_special_tokens=False)
+    assert len(warm) < BLOCK
+    loads = ("pdserve_kv_reads_total", "pdserve_kv_transfer_failures_total")
+    w0 = metrics(durl)
+    pre = generate(purl, warm, max_tokens=1, remote_decode=True, request_id=f"pre-warm-{kind}")
+    assert pre.error is None and pre.kv_transfer is not None, pre
+    assert generate(durl, warm, max_tokens=2, kv_transfer=pre.kv_transfer, request_id=f"dec-warm-{kind}").error is None
+    wait_for(lambda: sum(metric(metrics(durl), k) - metric(w0, k) for k in loads) >= 1, 10,
+             "the warm-up's load counted by the decode worker")
+    wait_for(lambda: held_blocks(purl) == 0, LEASE_S + 10, "the warm-up's hold released")
     d0 = metrics(durl)
     via_transfer = []
     for i, ids in enumerate(ps):
@@ -136,7 +152,6 @@ def test_transfer_matches_engine_alone_and_moves_the_kv(pair, tokenizer):
         via_transfer.append(dec.tokens)
     # The engine reports its connector's counters with a step's output: wait (bounded) for
     # every load to be counted, read or failed, before comparing.
-    loads = ("pdserve_kv_reads_total", "pdserve_kv_transfer_failures_total")
     wait_for(lambda: sum(metric(metrics(durl), k) - metric(d0, k) for k in loads) >= len(ps), 10,
              f"{len(ps)} loads counted by the decode worker")
     d1 = metrics(durl)
