@@ -90,13 +90,35 @@ def test_summary_counts_agreement_and_keeps_near_ties_apart(monkeypatch):
     ]}
     import bench.plan.grid as g
 
-    fake = {"a": {"agg": {"tokens_per_s_per_gpu": 110}, "disagg": {"tokens_per_s_per_gpu": 70}, "winner": "agg"},
-            "b": {"agg": {"tokens_per_s_per_gpu": 90}, "disagg": {"tokens_per_s_per_gpu": 120}, "winner": "disagg"}}
+    fake = {"a": {"agg": {"tokens_per_s_per_gpu": 110}, "disagg": {"tokens_per_s_per_gpu": 70}, "winner": "agg",
+                  "near_tie": False},
+            "b": {"agg": {"tokens_per_s_per_gpu": 90}, "disagg": {"tokens_per_s_per_gpu": 120}, "winner": "disagg",
+                  "near_tie": False}}
     monkeypatch.setattr(g, "plan_case", lambda row: fake[row["name"]])
     res = compare(grid)
     s = res["summary"]["fit"]
     assert (s["cases"], s["decided"], s["near_ties"], s["same_winner"]) == (2, 1, 1, 1)
+    assert (s["pdserve_near_ties"], s["same_winner_pdserve_sure"], s["pdserve_sure"]) == (0, 1, 1)
     assert abs(res["cases"][0]["agg_ratio"] - 1.1) < 1e-9 and abs(s["agg_error_max"] - 0.1) < 1e-9
+
+
+def test_cases_pdserve_itself_calls_near_ties_are_counted_apart_not_dropped(monkeypatch):
+    """A wrong winner where pdserve's own plan says "near tie, measure both" stays a miss in the
+    headline figure, and is also shown apart from the confident answers."""
+    grid = {"cases": [{**_row("a", "fit", "agg", 100, 80), "model": "x"},
+                      {**_row("b", "fit", "agg", 100, 70), "model": "x"}]}
+    import bench.plan.grid as g
+
+    fake = {"a": {"agg": {"tokens_per_s_per_gpu": 100}, "disagg": {"tokens_per_s_per_gpu": 103}, "winner": "disagg",
+                  "near_tie": True},
+            "b": {"agg": {"tokens_per_s_per_gpu": 100}, "disagg": {"tokens_per_s_per_gpu": 60}, "winner": "agg",
+                  "near_tie": False}}
+    monkeypatch.setattr(g, "plan_case", lambda row: fake[row["name"]])
+    res = compare(grid)
+    s = res["summary"]["fit"]
+    assert (s["decided"], s["same_winner"]) == (2, 1)
+    assert (s["pdserve_near_ties"], s["same_winner_pdserve_sure"], s["pdserve_sure"]) == (1, 1, 1)
+    assert "| agg | disagg (near tie) |" in g.table(res)
 
 
 def _row(name: str, part: str, winner: str, agg: float, dis: float) -> dict:
