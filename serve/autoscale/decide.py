@@ -25,8 +25,9 @@ Each interval (`Controller.step`):
    more than it has (TTFT: prefill or agg; ITL: decode or agg), when two intervals in a row
    missed, the load not falling, and its last scale-up has had a start-up time and an
    interval to show (a backlog drains on its own).
-4. Up at once (at most `max(1, max_step_up x current)` workers per interval, counting
-   workers still starting as capacity). Down only to `comfortable`, by at most
+4. Up at once (at most `max(max_step_up_workers, max_step_up x current)` workers per
+   interval, as Kubernetes' HPA defaults to the larger of +4 pods and +100% per period;
+   workers still starting count as capacity). Down only to `comfortable`, by at most
    `max(1, max_step_down x current)`, once the smaller pool has been enough with margin for
    `down_sustain_s`, never while the trend rises (a scale-down there is soon undone), never
    within `reverse_guard_s` (at least 10 minutes, whatever
@@ -82,6 +83,10 @@ class Policy:
     down_sustain_s: float = 90.0
     reverse_guard_s: float = MIN_REVERSE_GUARD_S
     max_step_up: float = 2.0
+    # A pool of one or two cannot double its way to a shifted load in one interval: a live
+    # ISL shift needed 5 prefill workers from 1, and +200% gave 3, one interval (and one
+    # missed window) later. Kubernetes' HPA scales up by at least 4 pods a period by default.
+    max_step_up_workers: int = 4
     max_step_down: float = 0.25
     # A scale-down must hold through the noisiest interval the next 10 minutes (the reversal
     # guard) are likely to bring: about 20 intervals of 30 s, whose largest Poisson count lies
@@ -198,7 +203,7 @@ class Controller:
             cur = current[p]
             want = max(need[p], cur + 1 if p in missed else 0, lo)
             if cur < want:
-                step = max(1, math.ceil(cur * pol.max_step_up))
+                step = max(1, pol.max_step_up_workers, math.ceil(cur * pol.max_step_up))
                 desired[p] = min(want, cur + step, hi)
                 reasons.append(f"{p} {cur}->{desired[p]}: " + (
                     f"measured p{pol.targets.percentile:g} missed its target at {cur}" if p in missed and need[p] <= cur

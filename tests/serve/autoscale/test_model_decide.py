@@ -100,10 +100,20 @@ def _controller(**kw) -> Controller:
 def test_scales_up_at_once_in_bounded_steps_and_says_why():
     c = _controller()
     d = c.step(_obs(30, 10.0, {"prefill": 1, "decode": 1}))
-    assert d.changed and d.desired["prefill"] > 1 and d.desired["prefill"] <= 3  # at most +200% (max_step_up 2)
+    assert d.changed and d.desired["prefill"] > 1 and d.desired["prefill"] <= 5  # at most +4 (max_step_up_workers)
     assert "needed for" in d.reason and d.load["rate"] >= 10.0
     assert any(x["layout"] == d.desired for x in d.candidates)
     assert {"ttft_s", "itl_s", "meets", "workers"} <= set(d.candidates[0]) and d.observation["arrivals"] == 300
+
+
+def test_a_step_up_is_the_larger_of_four_workers_and_double_the_pool():
+    """Far more load than the pools carry (30 of each needed): a pool of 1 grows by 4 (not
+    +200%, which is 2), a pool of 6 by 12 (+200%, more than 4)."""
+    for cur, want in ((1, 5), (6, 18)):
+        d = _controller().step(_obs(30, 250.0, {"prefill": cur, "decode": cur}))
+        assert d.desired == {"prefill": want, "decode": want}, (cur, d.reason)
+    d = _controller(max_step_up_workers=1).step(_obs(30, 250.0, {"prefill": 1, "decode": 1}))
+    assert d.desired == {"prefill": 3, "decode": 3}, d.reason
 
 
 def test_scale_down_waits_for_the_sustain_period_and_never_reverses_within_ten_minutes():
