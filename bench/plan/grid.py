@@ -291,7 +291,8 @@ def compare(grid: dict[str, Any]) -> dict[str, Any]:
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     decided = [r for r in rows if r["aic_winner"] and not r["aic_near_tie"]]
-    out: dict[str, Any] = {"cases": len(rows), "decided": len(decided), "near_ties": sum(r["aic_near_tie"] for r in rows),
+    out: dict[str, Any] = {"cases": len(rows), "decided": len(decided),
+                           "near_ties": sum(r["aic_near_tie"] for r in rows),
                            "same_winner": sum(r["winner"] == r["aic_winner"] for r in decided),
                            "aic_disagg_wins": sum(r["aic_winner"] == "disagg" for r in rows)}
     out["same_winner_share"] = out["same_winner"] / len(decided) if decided else None
@@ -316,13 +317,13 @@ def table(result: dict[str, Any]) -> str:
     for r in result["cases"]:
         tie = " (near tie)" if r["aic_near_tie"] else ""
         ours = " (near tie)" if r.get("near_tie") else ""
-        lines.append(f"| {r['name']} | {r['part']} | {r['aic_winner']}{tie} | {r['winner']}{ours} | {pct(r['agg_ratio'])} "
-                     f"| {pct(r['disagg_ratio'])} |")
+        lines.append(f"| {r['name']} | {r['part']} | {r['aic_winner']}{tie} | {r['winner']}{ours} "
+                     f"| {pct(r['agg_ratio'])} | {pct(r['disagg_ratio'])} |")
     lines.append("")
     for part, s in result["summary"].items():
         lines.append(f"{part}: {s['cases']} cases, same winner {s['same_winner']}/{s['decided']} decided "
-                     f"({s['near_ties']} near ties apart; AIC disagg wins {s['aic_disagg_wins']}); tokens/s/GPU vs AIC: "
-                     f"agg |err| median {pct(s['agg_error_median'])} max {pct(s['agg_error_max'])}, disagg median "
+                     f"({s['near_ties']} near ties apart; AIC disagg wins {s['aic_disagg_wins']}); "
+                     f"tokens/s/GPU vs AIC: agg |err| median {pct(s['agg_error_median'])} max {pct(s['agg_error_max'])}, disagg median "
                      f"{pct(s['disagg_error_median'])} max {pct(s['disagg_error_max'])}; where pdserve is not itself "
                      f"at a near tie: same winner {s['same_winner_pdserve_sure']}/{s['pdserve_sure']}")
     return "\n".join(lines)
