@@ -323,7 +323,8 @@ def table(result: dict[str, Any]) -> str:
     for part, s in result["summary"].items():
         lines.append(f"{part}: {s['cases']} cases, same winner {s['same_winner']}/{s['decided']} decided "
                      f"({s['near_ties']} near ties apart; AIC disagg wins {s['aic_disagg_wins']}); "
-                     f"tokens/s/GPU vs AIC: agg |err| median {pct(s['agg_error_median'])} max {pct(s['agg_error_max'])}, disagg median "
+                     f"tokens/s/GPU vs AIC: agg |err| median {pct(s['agg_error_median'])} "
+                     f"max {pct(s['agg_error_max'])}, disagg median "
                      f"{pct(s['disagg_error_median'])} max {pct(s['disagg_error_max'])}; where pdserve is not itself "
                      f"at a near tie: same winner {s['same_winner_pdserve_sure']}/{s['pdserve_sure']}")
     return "\n".join(lines)
