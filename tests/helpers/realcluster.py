@@ -110,6 +110,18 @@ def _up(url: str) -> bool:
         return False
 
 
+def _warm_up(c: RealCluster) -> None:
+    """One split request before any test counts: the pair's handshake and both engines' first
+    steps (on CI the first transfer of a fresh pair once came after a short lease had run out,
+    with another test's engines on the same cores). Its prompt is under a block, so it leaves
+    no prefix behind; returns once the prefill worker holds nothing."""
+    r = httpx.post(f"{c.frontend}/v1/chat/completions", timeout=ENGINE_READY_TIMEOUT_S,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    wait_for(lambda: metric(metrics(c.urls["prefill"]), "pdserve_kv_held_blocks") == 0, LEASE_S + 10,
+             "the warm-up's hold released")
+
+
 def start_real_cluster(model_dir: str, tmp: Path) -> RealCluster:
     """Frontend, then both engines loading at once (one core each); returns when both are in
     rotation. Stops everything it started if that fails."""
@@ -119,6 +131,7 @@ def start_real_cluster(model_dir: str, tmp: Path) -> RealCluster:
         c.start("prefill", "prefill", 0)
         c.start("decode1", "decode", 1)
         c.wait_ready("prefill", "decode1")
+        _warm_up(c)
     except BaseException:
         c.stop()
         raise
