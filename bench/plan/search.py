@@ -1,5 +1,8 @@
 """Search: every aggregated and disaggregated layout within the GPU budget, predicted with
-perf.py, filtered by the TTFT and TPOT targets, ranked by output tokens/s per GPU.
+perf.py, filtered by the TTFT and TPOT targets, ranked by output tokens/s per GPU of the
+budget: a layout that leaves GPUs idle is charged for them (the cluster's throughput over
+all its GPUs, as AIConfigurator ranks by `tokens/s/gpu_cluster`), so 5P+1D on 6 of 8 GPUs
+is not ranked as if the other 2 cost nothing.
 
 Aggregated: TP in {1, 2, 4, 8} (within one node), replicas = GPUs // TP, batch from 1 up
 to what the KV cache holds. Disaggregated: prefill TP and prompts per step, decode TP and
@@ -10,7 +13,7 @@ writes (serve.deploy.plan.PlannedLayout); the targets are plan.json's Targets.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Iterator
 
 from bench.plan.perf import Engine, Prediction, disagg_unit, predict_agg
@@ -55,6 +58,11 @@ class Layout:
         return PlannedLayout(**own, layout=self.name, **asdict(self.pred))
 
 
+def _per_budget(p: Prediction, total: int) -> Prediction:
+    """The layout's output tokens/s over every GPU of the budget (`p.gpus` stays the GPUs it uses)."""
+    return replace(p, tokens_per_s_per_gpu=p.tokens_per_s / max(total, 1))
+
+
 def _meets(p: Prediction, t: Targets) -> bool:
     return p.ttft_ms <= t.ttft_ms and p.tpot_ms <= t.tpot_ms and p.requests_per_s > 0
 
@@ -72,7 +80,7 @@ def agg_layouts(model: ModelShape, system: SystemSpec, total: int, isl: int, osl
         e = Engine(model, system, tp, kv_dtype, weight_dtype)
         replicas = total // tp
         for b in batch_candidates(e.max_batch(isl, osl)):
-            p = predict_agg(e, b, replicas, isl, osl)
+            p = _per_budget(predict_agg(e, b, replicas, isl, osl), total)
             yield Layout("agg", p, tp=tp, replicas=replicas, batch=b, meets=_meets(p, t))
 
 
@@ -103,7 +111,7 @@ def disagg_layouts(model: ModelShape, system: SystemSpec, total: int, isl: int, 
                         # the fewest decode workers that keep up with P prefill workers, or all
                         need = max(1, min(D_max, -(-P * cap_p // cap_d)))
                         for D in {int(need), max(1, int(need) - 1)}:
-                            p = unit.predict(P, D, osl, P * ptp + D * dtp)
+                            p = _per_budget(unit.predict(P, D, osl, P * ptp + D * dtp), total)
                             yield Layout("disagg", p, prefill_tp=ptp, prefill_workers=P, prefill_batch=pb,
                                          decode_tp=dtp, decode_workers=D, decode_batch=db, meets=_meets(p, t))
 

@@ -9,7 +9,7 @@ import json
 from bench.plan.report import PlanInputs, plan, summary_text, write
 from serve.cli import main
 
-NEAR = PlanInputs("meta-llama/Llama-3.1-8B-Instruct", "h100_sxm", 16, 1000, 1000, 300, 10)
+NEAR = PlanInputs("meta-llama/Llama-3.1-8B-Instruct", "h100_sxm", 8, 16000, 100, 2000, 50)
 
 
 def test_a_near_tie_says_so_and_gives_both_architectures_commands(tmp_path):

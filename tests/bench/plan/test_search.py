@@ -101,3 +101,20 @@ def test_bad_inputs_are_plan_errors():
                 PlanInputs(GUIDE.model, "nope", 4, 1, 1, 1, 1)):
         with pytest.raises(PlanError):
             plan(bad)
+
+
+def test_a_layout_is_charged_for_every_gpu_of_the_budget():
+    """On 8 GPUs, a disaggregated layout on 6 of them is ranked by its tokens/s over all 8
+    (the idle 2 are not free), and every layout uses at most the budget."""
+    from bench.plan.search import disagg_layouts
+    from bench.plan.specs import load_model, load_system
+
+    t = Targets(ttft_ms=2000, tpot_ms=50)
+    seen = 0
+    for lay in disagg_layouts(load_model("nvidia/Llama-3.1-Nemotron-Nano-4B-v1.1"), load_system("h200_sxm"), 8,
+                              16000, 100, t, "bf16", "bf16", "rdma"):
+        used = lay.prefill_workers * lay.prefill_tp + lay.decode_workers * lay.decode_tp
+        assert used == lay.pred.gpus <= 8
+        assert lay.pred.tokens_per_s_per_gpu == pytest.approx(lay.pred.tokens_per_s / 8)
+        seen += used < 8
+    assert seen > 0
