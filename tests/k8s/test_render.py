@@ -74,8 +74,13 @@ def test_render_winner_reproduces_the_aggregated_plan(tmp_path):
     assert load_plan(tmp_path / "overlay") == doc  # the overlay carries its plan
 
 
+# The guide's case at 8 GPUs with Llama 3.1 8B: its best disaggregated layout has TP 1 prefill
+# and TP 2 decode workers (the guide's own, on 4 GPUs, is TP 1 on both sides).
+MIXED_TP = PlanInputs("meta-llama/Llama-3.1-8B-Instruct", "h200_sxm", 8, 4000, 500, 600, 16.67)
+
+
 def test_render_disagg_layout_with_mixed_tp(tmp_path):
-    doc = planned(tmp_path)
+    doc = planned(tmp_path, MIXED_TP)
     d = doc.disagg_best
     docs = rendered(tmp_path, "--layout", "disagg")
     assert pools(docs) == {
