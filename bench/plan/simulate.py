@@ -101,7 +101,9 @@ def simulate_layout(doc: Plan, x: PlannedLayout, out: Path, requests: int | None
             "ttft_p50_ms": p("time_to_first_token", "p50"), "ttft_p90_ms": p("time_to_first_token", "p90"),
             "itl_p50_ms": p("inter_token_latency", "p50"), "itl_p90_ms": p("inter_token_latency", "p90"),
             "output_tps": p("output_token_throughput", "avg"), "goodput_rps": good,
-            "goodput_tokens_per_s_per_gpu": good * i.osl / x.gpus, "artifact_dir": str(out)}
+            # over every GPU of the budget, as the closed form ranks (bench/plan/search.py)
+            "goodput_tokens_per_s_per_gpu": good * i.osl / max(i.total_gpus, x.gpus, 1),
+            "artifact_dir": str(out)}
 
 
 def simulate_plan(doc: Plan, top: int = 5, requests: int | None = None, workload: str | None = None,
@@ -125,7 +127,7 @@ def simulate_plan(doc: Plan, top: int = 5, requests: int | None = None, workload
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("#", "mode", "closed-form tok/s/GPU", "SIMULATED goodput tok/s/GPU", "TTFT p90 ms (cf/sim)",
             "ITL p50 ms (cf TPOT/sim)", "layout")
-    lines = ["ranked by SIMULATED goodput per GPU (requests meeting both targets x OSL / GPUs):",
+    lines = ["ranked by SIMULATED goodput per GPU (requests meeting both targets x OSL / the budget's GPUs):",
              " | ".join(head)]
     for n, r in enumerate(rows, 1):
         cf, s = r["closed_form"], r["sim"]
