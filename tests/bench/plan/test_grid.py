@@ -90,10 +90,7 @@ def test_summary_counts_agreement_and_keeps_near_ties_apart(monkeypatch):
     ]}
     import bench.plan.grid as g
 
-    fake = {"a": {"agg": {"tokens_per_s_per_gpu": 110}, "disagg": {"tokens_per_s_per_gpu": 70}, "winner": "agg",
-                  "near_tie": False},
-            "b": {"agg": {"tokens_per_s_per_gpu": 90}, "disagg": {"tokens_per_s_per_gpu": 120}, "winner": "disagg",
-                  "near_tie": False}}
+    fake = {"a": _ours(110, 70, "agg"), "b": _ours(90, 120, "disagg")}
     monkeypatch.setattr(g, "plan_case", lambda row: fake[row["name"]])
     res = compare(grid)
     s = res["summary"]["fit"]
@@ -109,16 +106,19 @@ def test_cases_pdserve_itself_calls_near_ties_are_counted_apart_not_dropped(monk
                       {**_row("b", "fit", "agg", 100, 70), "model": "x"}]}
     import bench.plan.grid as g
 
-    fake = {"a": {"agg": {"tokens_per_s_per_gpu": 100}, "disagg": {"tokens_per_s_per_gpu": 103}, "winner": "disagg",
-                  "near_tie": True},
-            "b": {"agg": {"tokens_per_s_per_gpu": 100}, "disagg": {"tokens_per_s_per_gpu": 60}, "winner": "agg",
-                  "near_tie": False}}
+    fake = {"a": _ours(100, 103, "disagg", near_tie=True), "b": _ours(100, 60, "agg")}
     monkeypatch.setattr(g, "plan_case", lambda row: fake[row["name"]])
     res = compare(grid)
     s = res["summary"]["fit"]
     assert (s["decided"], s["same_winner"]) == (2, 1)
     assert (s["pdserve_near_ties"], s["same_winner_pdserve_sure"], s["pdserve_sure"]) == (1, 1, 1)
     assert "| agg | disagg (near tie) |" in g.table(res)
+
+
+def _ours(agg: float, dis: float, winner: str, near_tie: bool = False) -> dict:
+    """What plan_case returns for one case (pdserve's side)."""
+    return {"agg": {"tokens_per_s_per_gpu": agg}, "disagg": {"tokens_per_s_per_gpu": dis}, "winner": winner,
+            "near_tie": near_tie}
 
 
 def _row(name: str, part: str, winner: str, agg: float, dis: float) -> dict:
