@@ -7,7 +7,11 @@ framing to know where the response ends. Decoding chunks, splitting SSE events a
 JSON wait until the run is over (records.py), so they never delay a timestamp.
 
 One `Pool` per client process; connections are reused across requests (no per-request
-session), opened on demand, dropped when the server says `connection: close` or fails.
+session), opened on demand, dropped when the server says `connection: close` or fails, and
+never reused after `IDLE_EXPIRY_S` idle: a server closes idle keep-alive connections on its
+own timer (uvicorn, so vLLM's server, after 5 s), and a request written as that close is on
+its way meets a reset (a live autoscaler run lost 8 requests so when the load rose and the
+pool reused connections idle since the trough).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 
 _now = time.perf_counter_ns
+# Below the common servers' keep-alive timeouts (uvicorn's 5 s), as httpx's own expiry is.
+IDLE_EXPIRY_S = 4.0
 
 
 class HTTPError(Exception):
@@ -37,7 +43,7 @@ class RawResponse:
 
 
 class _Conn(asyncio.Protocol):
-    __slots__ = ("transport", "pool", "resp", "done", "buf", "state", "left", "keep", "closed")
+    __slots__ = ("transport", "pool", "resp", "done", "buf", "state", "left", "keep", "closed", "idle_since")
 
     def __init__(self, pool: "Pool") -> None:
         self.pool = pool
@@ -49,6 +55,7 @@ class _Conn(asyncio.Protocol):
         self.left = 0  # bytes of body (length) or of current chunk incl. CRLF (chunked)
         self.keep = True
         self.closed = False
+        self.idle_since = 0.0  # time.monotonic() when it went back to the pool
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -166,17 +173,25 @@ class Pool:
     """Keep-alive connections to one host:port. `request()` sends one request and returns
     its RawResponse; the caller owns timeouts (cancel the task, the connection is dropped)."""
 
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, idle_expiry_s: float = IDLE_EXPIRY_S) -> None:
         self.host = host
         self.port = port
+        self.idle_expiry_s = idle_expiry_s
         self.idle: list[_Conn] = []
         self.opened = 0
+        self.expired = 0  # idle connections closed unused (past idle_expiry_s)
 
     async def _get(self) -> _Conn:
+        now = time.monotonic()
         while self.idle:
             c = self.idle.pop()
-            if not c.closed:
+            if c.closed:
+                continue
+            if now - c.idle_since < self.idle_expiry_s:
                 return c
+            self.expired += 1
+            if c.transport is not None:
+                c.transport.close()
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
@@ -198,6 +213,7 @@ class Pool:
                 conn.transport.abort()
             raise
         if conn.keep and not conn.closed:
+            conn.idle_since = time.monotonic()
             self.idle.append(conn)
         elif conn.transport is not None:
             conn.transport.close()

@@ -90,3 +90,40 @@ def test_a_late_crlf_of_the_previous_response_is_skipped():
         return resp.status, b"".join(p for _, p in resp.pieces)
 
     assert asyncio.run(go()) == (200, b"ok")
+
+
+def test_idle_connections_past_their_expiry_are_not_reused():
+    """A connection idle longer than the pool's expiry is closed, not written to (the server
+    may be closing it on its own keep-alive timer); a fresher one is reused."""
+    import asyncio
+
+    from bench.loadgen.http import Pool, request_head
+
+    async def main() -> tuple[int, int, int, int]:
+        served = []
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+                await reader.readexactly(n)
+                served.append(writer.get_extra_info("peername"))
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        body = b"{}"
+        req = request_head("POST", "127.0.0.1", port, "/x", {}, len(body)) + body
+        pool = Pool("127.0.0.1", port, idle_expiry_s=0.2)
+        assert (await pool.request(req)).status == 200
+        assert (await pool.request(req)).status == 200  # at once: the same connection
+        reused = pool.opened
+        await asyncio.sleep(0.3)
+        assert (await pool.request(req)).status == 200  # past the expiry: a new connection
+        pool.close()
+        server.close()
+        return reused, pool.opened, pool.expired, len(set(served))
+
+    reused, opened, expired, peers = asyncio.run(main())
+    assert (reused, opened, expired, peers) == (1, 2, 1, 2)
