@@ -4,10 +4,8 @@ load it forecasts, reached in bounded steps, with hysteresis.
 Each interval (`Controller.step`):
 1. The load: the larger of the rate just observed and Holt's forecast one start-up time
    plus one interval ahead (a worker started now serves from then on), with the recent
-   intervals' ISL/OSL samples; plus, per pool, its backlog drained within one interval: the
-   requests waiting in its engines now and, when the pool (its starting workers counted)
-   finishes fewer than the load brings, those that pile up until a worker started now
-   serves (rate - capacity over a start-up time). A pool scaled down within
+   intervals' ISL/OSL samples; plus, per pool, the requests waiting in its engines spread
+   over a start-up time (a backlog must drain too). A pool scaled down within
    `reverse_guard_s` grows again only for that load with each rate estimate less `up_rate_z`
    (1) of its standard errors (a Poisson count's; the smoothed level's is 0.58 of it): one
    noisy interval alone does not undo a scale-down, a sustained rise does. A pool needs the
@@ -28,7 +26,7 @@ Each interval (`Controller.step`):
    missed, the load not falling, and its last scale-up has had a start-up time and an
    interval to show (a backlog drains on its own).
 4. Up at once (at most `max(max_step_up_workers, max_step_up x current)` workers per
-   interval, as Kubernetes' HPA defaults to the larger of +4 pods and +100% per 15-s period;
+   interval, as Kubernetes' HPA defaults to the larger of +4 pods and +100% per period;
    workers still starting count as capacity). Down only to `comfortable`, by at most
    `max(1, max_step_down x current)`, once the smaller pool has been enough with margin for
    `down_sustain_s`, never while the trend rises (a scale-down there is soon undone), never
@@ -44,7 +42,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from serve.autoscale.model import INF, Engine, Load, Prediction, capacity, predict_agg, predict_disagg
+from serve.autoscale.model import INF, Engine, Load, Prediction, predict_agg, predict_disagg
 from serve.autoscale.observe import Observation, Pool, Trend
 
 MIN_REVERSE_GUARD_S = 600.0
@@ -87,10 +85,8 @@ class Policy:
     max_step_up: float = 2.0
     # A pool of one or two cannot double its way to a shifted load in one interval: a live
     # ISL shift needed 5 prefill workers from 1, and +200% gave 3, one interval (and one
-    # missed window) later. Kubernetes' HPA scales up by at least 4 pods per 15-s period by
-    # default: 8 over the default 30-s interval. With 4, the simulated step (2 -> 7 prefill
-    # workers needed with the backlog) took one interval more and missed one window more.
-    max_step_up_workers: int = 8
+    # missed window) later. Kubernetes' HPA scales up by at least 4 pods a period by default.
+    max_step_up_workers: int = 4
     max_step_down: float = 0.25
     # A scale-down must hold through the noisiest interval the next 10 minutes (the reversal
     # guard) are likely to bring: about 20 intervals of 30 s, whose largest Poisson count lies
@@ -104,13 +100,6 @@ class Policy:
     # rate's bound alone, Holt's forecast (2.35) still did. Everywhere (the diurnal's rise),
     # the bound cost a window at 2 prefill workers (one interval later).
     up_rate_z: float = 1.0
-    # A pool short of the load sizes for the backlog that piles up until a worker started now
-    # serves (rate - capacity over a start-up time), not only for the one waiting now.
-    project_backlog: bool = True
-    # ... and drains it within one interval (0) of the new workers' start: the backlog is gone
-    # before the next window. Over a start-up time (60 s), the simulated step and ISL shift
-    # each missed one window more (3, not 2).
-    backlog_drain_s: float = 0.0
 
     @property
     def pools(self) -> tuple[str, ...]:
@@ -202,8 +191,8 @@ class Controller:
         current = {p: obs.pools.get(p).provisioned if obs.pools.get(p) else 0 for p in pol.pools}
         desired = dict(current)
         reasons = []
-        # A backlog in a pool's engines is extra load for that pool: drained within an interval.
-        sized = {p: self._with_backlog(load, obs.pools.get(p), p) for p in pol.pools}
+        # A backlog in a pool's engines is extra load for that pool: drained within a start-up time.
+        sized = {p: self._with_backlog(load, obs.pools.get(p)) for p in pol.pools}
         guard = max(pol.reverse_guard_s, MIN_REVERSE_GUARD_S)
         up_load = {p: lower if obs.t - self.last_down[p] < guard else load for p in pol.pools}
         need = {p: self._need(p, up_load[p], obs) for p in pol.pools}
@@ -268,10 +257,10 @@ class Controller:
     def _need(self, pool: str, load: Load, obs: Observation) -> int:
         """The pool's smallest count for `load` plus its backlog, and for the last interval's
         lengths alone when it has `MIN_SAMPLES` requests (a shift shows there first)."""
-        n = self.smallest(pool, self._with_backlog(load, obs.pools.get(pool), pool))
+        n = self.smallest(pool, self._with_backlog(load, obs.pools.get(pool)))
         if len(obs.isl) >= MIN_SAMPLES:
             latest = Load(load.rate, list(obs.isl), list(obs.osl))
-            n = max(n, self.smallest(pool, self._with_backlog(latest, obs.pools.get(pool), pool)))
+            n = max(n, self.smallest(pool, self._with_backlog(latest, obs.pools.get(pool))))
         return n
 
     def _upper(self, load: Load) -> Load:
@@ -283,22 +272,11 @@ class Controller:
         """One Poisson standard error of a rate measured over one interval."""
         return math.sqrt(max(rate, 0.0) / max(self.policy.interval_s, 1e-9))
 
-    def _with_backlog(self, load: Load, pool: Pool | None, name: str) -> Load:
-        """The load plus the pool's backlog, drained within `backlog_drain_s` (one interval): the requests
-        waiting now, and (`project_backlog`) those that will pile up until a worker started
-        now serves, when the pool's workers (those starting counted as serving) finish fewer
-        than the load brings: rate - capacity over a start-up time."""
-        pol = self.policy
-        if pool is None:
+    def _with_backlog(self, load: Load, pool: Pool | None) -> Load:
+        if pool is None or pool.waiting <= 0:
             return load
-        backlog = float(max(pool.waiting, 0))
-        if pol.project_backlog:
-            cap = capacity(name, self._engine(name), pool.provisioned, load)
-            backlog += max(0.0, load.rate - cap) * pol.startup_s
-        if backlog <= 0:
-            return load
-        drain_s = pol.backlog_drain_s or pol.interval_s
-        return Load(load.rate + backlog / drain_s, load.isl, load.osl)
+        drain_s = max(self.policy.startup_s, self.policy.interval_s)
+        return Load(load.rate + pool.waiting / drain_s, load.isl, load.osl)
 
     def _missed(self, obs: Observation, current: dict[str, int], load: Load) -> set[str]:
         """Pools whose target the interval missed although the model says they meet it, with

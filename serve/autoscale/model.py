@@ -198,28 +198,6 @@ def _decode_itl(e: Engine, per_worker_rate: float, osl: float, ctx: float, slots
     return itl
 
 
-def capacity(pool: str, e: Engine, n: int, load: Load) -> float:
-    """The requests/s `n` workers of `pool` finish at most for the load's lengths (their
-    utilisation 1): prefill, n over the mean prompt step; decode, n full batches of slots
-    each finishing in OSL - 1 steps; agg, the rate past which `predict_agg` grows without
-    bound (bisection)."""
-    if n < 1:
-        return 0.0
-    isl, osl_mean = load.isl or [1], max(load.osl_mean, 1.0)
-    if pool == "prefill":
-        return n / (sum(e.prefill_s(x) for x in isl) / len(isl))
-    if pool == "decode":
-        slots = decode_slots(e, load.isl_mean, osl_mean)
-        return 0.0 if slots < 1 else n * slots / (max(osl_mean - 1, 1) * e.decode_s(slots, load.isl_mean + osl_mean / 2))
-    lo, hi = 0.0, 1.0
-    while hi < 1e6 and predict_agg(e, n, Load(hi, load.isl, load.osl), 50.0).itl_s != INF:
-        lo, hi = hi, hi * 2
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if predict_agg(e, n, Load(mid, load.isl, load.osl), 50.0).itl_s != INF else (lo, mid)
-    return lo
-
-
 def predict_disagg(prefill: Engine, decode: Engine, p: int, d: int, load: Load, percentile: float) -> Prediction:
     if p < 1 or d < 1:
         return Prediction(INF, INF, {})
