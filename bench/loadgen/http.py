@@ -10,8 +10,7 @@ One `Pool` per client process; connections are reused across requests (no per-re
 session), opened on demand, dropped when the server says `connection: close` or fails, and
 never reused after `IDLE_EXPIRY_S` idle: a server closes idle keep-alive connections on its
 own timer (uvicorn, so vLLM's server, after 5 s), and a request written as that close is on
-its way meets a reset (a live autoscaler run lost 8 requests so when the load rose and the
-pool reused connections idle since the trough).
+its way meets a reset.
 """
 
 from __future__ import annotations
