@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 _now = time.perf_counter_ns
@@ -176,21 +177,24 @@ class Pool:
         self.host = host
         self.port = port
         self.idle_expiry_s = idle_expiry_s
-        self.idle: list[_Conn] = []
+        self.idle: deque[_Conn] = deque()
         self.opened = 0
         self.expired = 0  # idle connections closed unused (past idle_expiry_s)
 
     async def _get(self) -> _Conn:
-        now = time.monotonic()
+        # `idle` is in the order connections came back: the expired ones are its oldest, closed
+        # here (not left holding a socket until the server drops them); the newest is reused.
+        horizon = time.monotonic() - self.idle_expiry_s
+        while self.idle and (self.idle[0].closed or self.idle[0].idle_since <= horizon):
+            c = self.idle.popleft()
+            if not c.closed:
+                self.expired += 1
+                if c.transport is not None:
+                    c.transport.close()
         while self.idle:
             c = self.idle.pop()
-            if c.closed:
-                continue
-            if now - c.idle_since < self.idle_expiry_s:
+            if not c.closed:
                 return c
-            self.expired += 1
-            if c.transport is not None:
-                c.transport.close()
         loop = asyncio.get_running_loop()
         try:
             _, conn = await loop.create_connection(lambda: _Conn(self), self.host, self.port)
