@@ -29,6 +29,7 @@ from serve.frontend.errors import APIError, bad_request, error_response
 from serve.frontend.generate import Generation
 from serve.frontend.internal import InternalApi
 from serve.frontend.kv_events import KVEventSubscriber
+from serve.frontend.loopstall import LoopStall
 from serve.frontend.metrics import FrontendMetrics
 from serve.frontend.requestlog import RequestLog
 from serve.frontend.openai_api import OpenAIApi
@@ -73,9 +74,12 @@ class Frontend:
                                                                          max_keepalive_connections=256))
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(10.0), headers=token_headers(self.settings.cluster_token),
                                         transport=transport)
+        stall = LoopStall()  # its time does not count against worker leases
+        self.metrics.loop_stalled.set_function(lambda: stall.stalled_s)
         self.pool = WorkerPool(self.settings.served_model_name, self.settings.static_workers,
                                self.settings.poll_interval_s, self.settings.max_poll_failures, self.client,
-                               clock=self.clock, on_removed=origins.forget if origins is not None else None)
+                               clock=self.clock, on_removed=origins.forget if origins is not None else None,
+                               stall=stall if self.clock is time.monotonic else None)
         await self.pool.start()
         self.routing = routing = Routing(self.settings, self.pool)
         cap = self.settings.max_prefills_per_worker

@@ -74,6 +74,9 @@ class FrontendMetrics:
                                   "for a prefill worker with room (--max-prefills-per-worker)", registry=r)
         self.rejected = Counter("pdserve_frontend_rejected_requests", "Requests refused by admission "
                                 "(overloaded: 429; queue_timeout: 504)", ["reason"], registry=r)
+        self.loop_stalled = Gauge("pdserve_frontend_event_loop_stalled_seconds",
+                                  "Seconds this frontend's event loop was stalled since it started (a starved or "
+                                  "blocked loop; worker leases do not count this time)", registry=r)
         self._text = TextRenderer(r)
 
     def render(self) -> bytes:

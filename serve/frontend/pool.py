@@ -3,7 +3,9 @@
 Workers come from `--worker URL` (static; their `/info` is fetched) or register
 themselves (`POST /internal/register`, renewed before the lease ends). A poller reads
 every worker's `/load`; a worker that fails `max_poll_failures` polls in a row, or whose
-lease ran out, leaves rotation, and comes back as soon as a poll succeeds again.
+lease ran out, leaves rotation, and comes back as soon as a poll succeeds again. Leases are
+checked on `lease_clock`: the pool's clock less the time the frontend's event loop stalled
+(serve/frontend/loopstall.py), so a starved frontend does not expire every lease at once.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import httpx
 
 from router.filters import WorkerView
 from serve import protocol as p
+from serve.frontend.loopstall import LoopStall
 
 log = logging.getLogger("pdserve.frontend.pool")
 
@@ -70,10 +73,15 @@ class WorkerPool:
     # batches (one every BATCH_S): a burst of a thousand GETs at once made polls time out on
     # a loaded frontend, and three timed-out polls take a healthy worker out of rotation.
     BATCH_S = 0.05
+    # A failed poll during which this frontend's loop stalled this long is not the worker's failure.
+    STALLED_POLL_S = 1.0
 
     def __init__(self, served_model_name: str, static_urls: list[str], poll_interval_s: float,
                  max_failures: int, client: httpx.AsyncClient, clock: Callable[[], float] = time.monotonic,
-                 poll_budget_per_s: float = 250.0, on_removed: Callable[[str], None] | None = None) -> None:
+                 poll_budget_per_s: float = 250.0, on_removed: Callable[[str], None] | None = None,
+                 stall: LoopStall | None = None) -> None:
+        """`stall`: this loop's stall meter, started and stopped with the poller; its time does
+        not count against leases (None: leases run on `clock` alone, as in a simulation)."""
         self.served_model_name = served_model_name
         self.on_removed = on_removed  # told the URL of each worker that leaves the pool
         self.poll_interval_s = poll_interval_s
@@ -81,14 +89,21 @@ class WorkerPool:
         self.max_failures = max_failures
         self.client = client
         self.clock = clock
+        self.stall = stall
         self.workers: dict[str, WorkerEntry] = {
-            u.rstrip("/"): WorkerEntry(url=u.rstrip("/"), static=True, clock=clock) for u in static_urls
+            u.rstrip("/"): WorkerEntry(url=u.rstrip("/"), static=True, clock=self.lease_clock) for u in static_urls
         }
         self._poller: asyncio.Task | None = None
         self._decode_info = p.decoder(p.WorkerInfo)
         self._decode_load = p.decoder(p.WorkerLoad)
 
+    def lease_clock(self) -> float:
+        """The time leases run on: `clock` less the frontend's stalls."""
+        return self.clock() - (self.stall.now_s() if self.stall is not None else 0.0)
+
     async def start(self) -> None:
+        if self.stall is not None:
+            self.stall.start()
         await self.poll_once()
         self._poller = asyncio.create_task(self._poll_loop())
 
@@ -97,6 +112,8 @@ class WorkerPool:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        if self.stall is not None:
+            await self.stall.stop()
 
     # -- registration -----------------------------------------------------------------
     def register(self, reg: p.Registration) -> p.RegistrationReply:
@@ -110,14 +127,14 @@ class WorkerPool:
         url = info.url.rstrip("/")
         entry = self.workers.get(url)
         if entry is None:
-            entry = self.workers[url] = WorkerEntry(url=url, clock=self.clock)
+            entry = self.workers[url] = WorkerEntry(url=url, clock=self.lease_clock)
             log.info("worker %s (%s) registered at %s", info.worker_id, info.role, url)
         elif entry.info is not None and entry.info.worker_id != info.worker_id:
             log.info("worker at %s restarted as %s", url, info.worker_id)
             entry.failures = 0
         entry.info = info
         if not entry.static:
-            entry.lease_expiry = self.clock() + reg.lease_seconds
+            entry.lease_expiry = self.lease_clock() + reg.lease_seconds
         if not entry.healthy and entry.failures == 0:
             entry.healthy = True
         return p.RegistrationReply(accepted=True)
@@ -154,7 +171,7 @@ class WorkerPool:
 
     async def poll_once(self, spread_s: float = 0.0) -> None:
         """Poll every worker once: all at once, or in batches spread over `spread_s`."""
-        now = self.clock()
+        now = self.lease_clock()
         grace = 3 * self.cycle_s() + 30
         for url, entry in list(self.workers.items()):
             if not entry.static and now > entry.lease_expiry + grace:
@@ -170,6 +187,7 @@ class WorkerPool:
                 await asyncio.sleep(max(0.0, t0 + (i + 1) * spread_s / batches - time.monotonic()))
 
     async def _poll(self, entry: WorkerEntry) -> None:
+        stalled0 = self.stall.now_s() if self.stall is not None else 0.0
         try:
             if entry.info is None:
                 r = await self.client.get(f"{entry.url}/info", timeout=2.0)
@@ -185,6 +203,12 @@ class WorkerPool:
                 entry.info = None  # restarted behind the same URL: fetch its identity again
                 raise ValueError("worker restarted")
         except Exception as exc:  # any failure counts; the worker comes back on success
+            if self.stall is not None and self.stall.now_s() - stalled0 >= self.STALLED_POLL_S:
+                # this frontend stood still during the poll (its 2-s timeout may have run out
+                # while the reply waited unread): the worker is not to blame
+                log.debug("poll of %s failed during a %.1f-s stall of this frontend; not counted", entry.url,
+                          self.stall.now_s() - stalled0)
+                return
             entry.failures += 1
             if entry.healthy and entry.failures >= self.max_failures:
                 entry.healthy = False

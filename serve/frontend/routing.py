@@ -79,7 +79,7 @@ class Routing:
         if exclude:
             views = eligible((e.view() for e in self.pool.workers.values()), roles, exclude)
             return [self.pool.workers[v.worker_id] for v in views]
-        now = self.pool.clock()
+        now = self.pool.lease_clock()
         if (WorkerEntry.version, len(self.pool.workers)) != self._views_key or now >= self._views_horizon:
             self._eligible.clear()
             self._compat.clear()
