@@ -52,6 +52,12 @@ SERVED = "smollm2-135m-instruct"
 # stayed queued on the two workers there before it (2026-12-06: 151 prompts waited the 240 s
 # prefill timeout there and fell back to a local prefill while 16 new prefill workers idled).
 PREFILLS_PER_WORKER = 4
+# Worker processes run at this niceness (`pdserve up --worker-nice`): in a cluster they have
+# their own machines and the frontend its own CPU; here 50 worker processes shared two cores
+# with it, and it stood still 133 s of a 33-minute step run (pdserve_frontend_event_loop_
+# stalled_seconds, 2026-12-07), counting arrivals and reading streams late. Their modelled
+# steps are sleeps: a late wake-up shows as a longer ITL, which the run still measures.
+WORKER_NICE = 10
 
 
 def scaled(s: Scenario) -> Scenario:
@@ -154,6 +160,18 @@ def kill_port(port: int) -> None:
         raise RuntimeError(f"no process with --port {port} was killed (pkill exit {rc})")
 
 
+def frontend_stalled_s(fe: str, headers: dict[str, str]) -> float | None:
+    """Seconds the frontend's event loop stood still over the run (its metric), or None."""
+    try:
+        text = httpx.get(f"{fe}/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("pdserve_frontend_event_loop_stalled_seconds "):
+            return round(float(line.split()[1]), 1)
+    return None
+
+
 def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port: int,
              duration_s: float | None = None, extend_s: float = 0.0) -> dict[str, Any]:
     from bench.sim.profiles import planner_profile
@@ -189,6 +207,7 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
               # prefills beyond PREFILLS_PER_WORKER a worker wait in the frontend, so workers started
               # for a burst take part of its backlog (serve/frontend/prefillgate.py)
               "--max-prefills-per-worker", str(PREFILLS_PER_WORKER),
+              "--worker-nice", str(WORKER_NICE),
               "--kv-cache-gib", "8",  # bookkeeping only for simulated workers: room to hold 4,000-token prompts
               "--ready-timeout", "600", "--log-level", "warning"]
     token = secrets.token_hex(16)  # the cluster's: /internal/workers needs it
@@ -229,6 +248,7 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
                 killed = kill_decode_share(fe, share, headers)
         load.wait(timeout=s.duration_s + 900)
         explain = httpx.get(f"{api}/autoscaler", timeout=10).json()
+        stalled_s = frontend_stalled_s(fe, headers)
     finally:
         watch.stop_event.set()
         if load is not None and load.poll() is None:  # interrupted: the load first, then the stack
@@ -257,6 +277,7 @@ def run_live(name: str, out: Path, port: int, worker_base_port: int, scaler_port
            "stopped": sum(a["kind"] == "stop" for a in acts),
            "actuator_errors": [a for a in acts if a["kind"] == "error"],
            "slo_attainment": round(met / len(ws), 4) if ws else None, "missed_windows": len(ws) - met,
+           "frontend_stalled_s": stalled_s, "worker_nice": WORKER_NICE,
            "reversals_within_10min": reversal_count((x["t"], x["current"], x["desired"])
                                                     for x in sorted(explain["decisions"], key=lambda x: x["t"]))}
     (d / "live.json").write_text(json.dumps({**row, "windows": ws, "series": watch.series,

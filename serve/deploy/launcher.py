@@ -78,8 +78,11 @@ class Launcher:
         host = self.s.advertise_host or self.s.host
         return "127.0.0.1" if host in ("0.0.0.0", "::") else host
 
-    def _spawn(self, name: str, args: list[str], health_urls: list[str], pass_fds: tuple[int, ...] = ()) -> Child:
-        child = Child(name, [sys.executable, "-m", "serve.cli", *args], pass_fds=pass_fds)
+    def _spawn(self, name: str, args: list[str], health_urls: list[str], pass_fds: tuple[int, ...] = (),
+               nice: int = 0) -> Child:
+        """`nice` > 0: the process runs at that niceness (`nice -n`, which execs it: same pid)."""
+        cmd = [sys.executable, "-m", "serve.cli", *args]
+        child = Child(name, ["nice", "-n", str(nice), *cmd] if nice > 0 else cmd, pass_fds=pass_fds)
         with self._lock:
             self.health_urls[child.name] = list(health_urls)
             self.children.append(child)
@@ -193,7 +196,7 @@ class Launcher:
             kind = ""
         if self.s.advertise_host:
             args += ["--advertise-host", self.s.advertise_host]
-        child = self._spawn(f"{kind}worker {role}-{n} ({url})", args, [f"{url}/health"])
+        child = self._spawn(f"{kind}worker {role}-{n} ({url})", args, [f"{url}/health"], nice=self.s.worker_nice)
         self._urls[child.name] = (url, role)
         return url, child
 
@@ -237,7 +240,7 @@ class Launcher:
             if self.s.advertise_host:
                 args += ["--advertise-host", self.s.advertise_host]
             child = self._spawn(f"{n} simulated {role} worker(s) (ports {port}-{port + n - 1})", args,
-                                [f"{u}/health" for u in role_urls])
+                                [f"{u}/health" for u in role_urls], nice=self.s.worker_nice)
             self._wait_ready([child], deadline)
             urls += role_urls
             port += n

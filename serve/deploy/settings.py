@@ -27,6 +27,7 @@ class UpSettings:
     worker_args: list[str] = field(default_factory=list)
     role_args: dict[str, list[str]] = field(default_factory=dict)  # extra worker flags per role
     engine: str = "vllm"  # vllm | sim
+    worker_nice: int = 0  # niceness of every worker process (`--worker-nice`)
     # `--autoscale`: the SLA autoscaler runs in this process with the local actuator; every
     # worker is then its own process (simulated ones too) and registers with the frontend.
     autoscale: argparse.Namespace | None = None
@@ -91,6 +92,10 @@ class UpSettings:
                        help="the frontend's --max-prefills-per-worker: prefills one prefill worker gets at once, the "
                             "rest wait in the frontend for a worker with room (default: the frontend's, 0: no limit)")
         u.add_argument("--worker-base-port", type=int, default=8100, help="first worker port (default: 8100)")
+        u.add_argument("--worker-nice", type=int, default=0, metavar="N",
+                       help="run every worker process at niceness N (0-19): on a box shared with the frontend and "
+                            "the load generator (a test rig of simulated workers), they keep the CPU they need "
+                            "(default: 0)")
         u.add_argument("--kv-cache-gib", type=float, default=1.0, help="KV cache GiB per worker (default: 1)")
         u.add_argument("--api-key", action="append", default=[], metavar="KEY",
                        help="require `Authorization: Bearer KEY` on the frontend's OpenAI endpoints (repeatable; "
@@ -103,6 +108,8 @@ class UpSettings:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> UpSettings:
+        if not 0 <= args.worker_nice <= 19:
+            raise PdserveError(f"--worker-nice {args.worker_nice}: a niceness from 0 to 19")
         if args.kv_cache_gib < 1 or args.kv_cache_gib != int(args.kv_cache_gib):
             raise PdserveError(f"--kv-cache-gib {args.kv_cache_gib:g}: a whole number of GiB >= 1")
         if min(args.workers, args.prefill, args.decode) < 0 or (args.mode == "agg" and args.workers < 1) \
@@ -141,7 +148,7 @@ class UpSettings:
                    ready_timeout_s=args.ready_timeout, log_level=args.log_level,
                    frontend_args=flags.router_flags(args) + _frontend_passthrough(args),
                    worker_args=worker_args, role_args=role_args,
-                   engine=args.engine, autoscale=autoscaled.settings_from_args(args))
+                   engine=args.engine, worker_nice=args.worker_nice, autoscale=autoscaled.settings_from_args(args))
 
 
 

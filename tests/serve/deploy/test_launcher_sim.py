@@ -3,6 +3,7 @@ not minutes), and the frontend's port taken before any worker starts."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ def test_up_with_simulated_workers_serves_disaggregated_then_stops_everything(mo
     child = procs.Child("up-sim", [sys.executable, "-m", "serve.cli", "up", "--engine", "sim", "--mode", "disagg",
                                    "--prefill", "3", "--decode", "4", "--port", str(port), "--worker-base-port",
                                    str(base), "--model", model_dir, "--served-model-name", MODEL,
-                                   "--sim-step-model", "constant:0.004"], log_path, cwd=ROOT)
+                                   "--sim-step-model", "constant:0.004", "--worker-nice", "7"], log_path, cwd=ROOT)
     try:
         deadline = time.monotonic() + 120
         while "pdserve is up" not in log_path.read_text():
@@ -39,6 +40,11 @@ def test_up_with_simulated_workers_serves_disaggregated_then_stops_everything(mo
         assert len(kids) == 3, [procs.cmdline(k) for k in kids]  # prefill, decode, frontend
         workers = [procs.cmdline(k) for k in kids if " worker " in procs.cmdline(k)]
         assert len(workers) == 2 and all("--sim-step-model constant:0.004" in c for c in workers), workers
+        # --worker-nice: the workers run at niceness 7, the frontend at the launcher's own
+        nices = {k: os.getpriority(os.PRIO_PROCESS, k) for k in kids}
+        own = os.getpriority(os.PRIO_PROCESS, child.pid)
+        assert sorted(nices.values()) == sorted([own, min(own + 7, 19), min(own + 7, 19)]), nices
+        assert all(n == min(own + 7, 19) for k, n in nices.items() if " worker " in procs.cmdline(k)), nices
         everyone = procs.descendants(child.pid)
         child.send_signal(signal.SIGTERM)
         child.popen.wait(timeout=60)
@@ -53,6 +59,12 @@ def test_sim_options_need_the_sim_engine():
     r = subprocess.run([sys.executable, "-m", "serve.cli", "up", "--sim-step-model", "constant:1"], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == "pdserve up: error: --sim-step-model needs --engine sim"
+
+
+def test_a_worker_niceness_out_of_range_is_one_line():
+    r = subprocess.run([sys.executable, "-m", "serve.cli", "up", "--worker-nice", "20"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "pdserve up: error: --worker-nice 20: a niceness from 0 to 19"
 
 
 def test_push_transfers_need_real_engines_in_one_line():
