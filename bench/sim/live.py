@@ -54,7 +54,7 @@ SERVED = "smollm2-135m-instruct"
 PREFILLS_PER_WORKER = 4
 # Worker processes run at this niceness (`pdserve up --worker-nice`): in a cluster they have
 # their own machines and the frontend its own CPU; here 50 worker processes shared two cores
-# with it, and it stood still 133 s of a 33-minute step run (pdserve_frontend_event_loop_
+# with it, and it stood still more than 130 s of a 33-minute step run (pdserve_frontend_event_loop_
 # stalled_seconds, 2026-12-07), counting arrivals and reading streams late. Their modelled
 # steps are sleeps: a late wake-up shows as a longer ITL, which the run still measures.
 WORKER_NICE = 10

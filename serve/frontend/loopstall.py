@@ -7,8 +7,9 @@ with 76 processes on two cores: every decode worker's 10-s lease ran out in the 
 and 29 streams failed with "no decode worker available", though every worker was alive and
 renewing). `LoopStall` ticks on the loop every `TICK_S`; whatever a tick oversleeps beyond
 `SLACK_S` is stall, summed in `stalled_s`. The pool checks leases on monotonic time minus
-that sum (`now_s`, read by `WorkerPool.lease_clock`), so a lease runs out only in time the frontend could have
-read its renewal. A worker that really died still leaves rotation: its polls fail.
+that sum (`now_s`, read by `WorkerPool.lease_clock`), so a lease runs out only in time the
+frontend could have read its renewal. A worker that really died still leaves rotation: its
+polls fail.
 """
 
 from __future__ import annotations
