@@ -203,11 +203,11 @@ class WorkerPool:
                 entry.info = None  # restarted behind the same URL: fetch its identity again
                 raise ValueError("worker restarted")
         except Exception as exc:  # any failure counts; the worker comes back on success
-            if self.stall is not None and self.stall.now_s() - stalled0 >= self.STALLED_POLL_S:
+            stalled = self.stall.now_s() - stalled0 if self.stall is not None else 0.0
+            if stalled >= self.STALLED_POLL_S:
                 # this frontend stood still during the poll (its 2-s timeout may have run out
                 # while the reply waited unread): the worker is not to blame
-                log.debug("poll of %s failed during a %.1f-s stall of this frontend; not counted", entry.url,
-                          self.stall.now_s() - stalled0)
+                log.debug("poll of %s failed during a %.1f-s stall of this frontend; not counted", entry.url, stalled)
                 return
             entry.failures += 1
             if entry.healthy and entry.failures >= self.max_failures:
