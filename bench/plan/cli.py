@@ -40,6 +40,9 @@ def add_command(sub: argparse._SubParsersAction) -> None:
                         "AIConfigurator assume; fp8 halves the KV bytes)")
     p.add_argument("--weight-dtype", choices=["bf16", "fp8"], default="bf16", help="weights and GEMMs (default: bf16)")
     p.add_argument("--network", choices=["rdma", "tcp"], default="rdma", help="KV transfer network (default: rdma)")
+    p.add_argument("--roofline-only", action="store_true",
+                   help="one set of efficiencies for every GPU system (systems.json's defaults), not each system's "
+                        "own measured kernel efficiencies (bench/plan/data/kernels.json)")
     p.add_argument("--save-dir", "--save_dir", dest="save_dir", default="artifacts/plan",
                    help="where plan.json and the tables go (default: artifacts/plan)")
     s = p.add_argument_group("ranking by simulation (bench/plan/simulate.py)")
@@ -87,7 +90,8 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         doc = plan(PlanInputs(model=args.model, system=args.system, total_gpus=args.total_gpus, isl=args.isl,
                               osl=args.osl, ttft_ms=args.ttft, tpot_ms=args.tpot, backend=args.backend,
-                              kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, network=args.network))
+                              kv_dtype=args.kv_dtype, weight_dtype=args.weight_dtype, network=args.network,
+                              roofline_only=args.roofline_only))
         write(doc, args.save_dir)
         print(summary_text(doc))
         print(f"saved: {args.save_dir}/plan.json, agg_best.csv, disagg_best.csv, pareto.csv, pareto.png, launch.sh")

@@ -245,7 +245,7 @@ def load_grid(path: str | None = None) -> dict[str, Any]:
 _DTYPES = {"bfloat16": "bf16", "float16": "bf16", "fp8": "fp8", "float8": "fp8", "fp8_block": "fp8"}
 
 
-def plan_case(row: dict[str, Any]) -> dict[str, Any]:
+def plan_case(row: dict[str, Any], roofline_only: bool = False) -> dict[str, Any]:
     """pdserve's best layout of each mode on one grid case, in the grid's dtypes."""
     from bench.plan.report import PlanInputs, plan
 
@@ -254,7 +254,8 @@ def plan_case(row: dict[str, Any]) -> dict[str, Any]:
     gemm = _DTYPES.get(ref.get("gemm_dtype", "bfloat16"), "bf16")
     p = plan(PlanInputs(model=row["model"], system=row["system"], total_gpus=row["total_gpus"], isl=row["isl"],
                         osl=row["osl"], ttft_ms=row["ttft_ms"], tpot_ms=row["tpot_ms"], backend="vllm",
-                        kv_dtype=kv, weight_dtype=gemm, network="rdma"))
+                        kv_dtype=kv, weight_dtype=gemm, network="rdma",
+                        roofline_only=roofline_only))
 
     def best(x: Any) -> dict[str, Any] | None:
         return None if x is None else {"tokens_per_s_per_gpu": x.tokens_per_s_per_gpu, "ttft_ms": x.ttft_ms,
@@ -265,11 +266,11 @@ def plan_case(row: dict[str, Any]) -> dict[str, Any]:
 NEAR_TIE = 0.05
 
 
-def compare(grid: dict[str, Any]) -> dict[str, Any]:
+def compare(grid: dict[str, Any], roofline_only: bool = False) -> dict[str, Any]:
     """Per case: both tools' winners and best tokens/s/GPU per mode; totals per part."""
     rows = []
     for row in grid["cases"]:
-        ours, ref = plan_case(row), row["aic"]
+        ours, ref = plan_case(row, roofline_only), row["aic"]
         r: dict[str, Any] = {"name": row["name"], "part": row["part"], "aic_winner": ref["winner"],
                              "winner": ours["winner"], "near_tie": ours["near_tie"]}
         for mode in ("agg", "disagg"):
@@ -339,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     c = sub.add_parser("compare", help="pdserve's planner against the grid")
     c.add_argument("--grid", default=None, help="a grid file (default: the one shipped in bench.plan.data)")
     c.add_argument("--out", default=None, help="also write the comparison as JSON here")
+    c.add_argument("--roofline-only", action="store_true",
+                   help="the roofline-only model: one set of efficiencies for every system, no measured kernels")
     args = p.parse_args(argv)
     try:
         if args.cmd == "aic":
@@ -346,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise PlanError(f"{args.aic}: no aiconfigurator there (make aiconfigurator installs it)")
             run_aic(args.aic, Path(args.out))
             return 0
-        result = compare(load_grid(args.grid))
+        result = compare(load_grid(args.grid), args.roofline_only)
     except PlanError as e:
         print(f"bench.plan.grid: error: {e}", file=sys.stderr)
         return 2

@@ -22,9 +22,10 @@ import sys
 from dataclasses import replace
 from typing import Any, Callable
 
-from bench.plan.grid import load_grid
+from bench.plan.grid import FIT_SYSTEMS, load_grid
+from bench.plan.kernels import shipped
 from bench.plan.perf import Engine, prefill_capacity, predict_agg, predict_disagg
-from bench.plan.specs import SystemSpec, load_model, load_system
+from bench.plan.specs import SystemSpec, data_file, load_model, load_system
 
 EFFICIENCIES = ("gemm", "hbm", "prefill_attention", "decode_attention", "nvlink")
 BOUNDS = {"step_overhead_ms": (0.05, 20.0), "allreduce_latency_us": (1.0, 200.0)}  # efficiencies: (0.05, 1]
@@ -57,20 +58,28 @@ def observations(row: dict[str, Any], system: SystemSpec) -> list[tuple[str, flo
     return out
 
 
-def with_params(system: SystemSpec, params: dict[str, float]) -> SystemSpec:
-    eff = {**system.efficiency, **{k: v for k, v in params.items() if k in EFFICIENCIES}}
+def with_params(system: SystemSpec, params: dict[str, float], measured: dict[str, float] | None = None) -> SystemSpec:
+    """The system under `params`: absolute efficiencies (roofline-only), or, with the system's
+    `measured` kernel figures, scales of them (as specs.load_system applies kernel_scale)."""
+    if measured is None:
+        eff = {**system.efficiency, **{k: v for k, v in params.items() if k in EFFICIENCIES}}
+        allreduce = params.get("allreduce_latency_us", system.allreduce_latency_us)
+    else:
+        eff = {**system.efficiency, **{k: min(1.0, v * measured[k]) for k, v in params.items() if k in EFFICIENCIES}}
+        allreduce = params["allreduce_latency_us"] * measured["allreduce_latency_us"]
     return replace(system, efficiency=eff, step_overhead_ms=params.get("step_overhead_ms", system.step_overhead_ms),
-                   allreduce_latency_us=params.get("allreduce_latency_us", system.allreduce_latency_us))
+                   allreduce_latency_us=allreduce)
 
 
-def errors(rows: list[dict[str, Any]], params: dict[str, float]) -> list[tuple[str, str, float]]:
-    """(case, what, log ratio pdserve/AIC) for every observation."""
+def errors(rows: list[dict[str, Any]], params: dict[str, float], kernels: bool = False) -> list[tuple[str, str, float]]:
+    """(case, what, log ratio pdserve/AIC) for every observation; `kernels`: params are kernel scales."""
     systems: dict[str, SystemSpec] = {}
     out = []
     for row in rows:
         s = systems.get(row["system"])
         if s is None:
-            s = systems[row["system"]] = with_params(load_system(row["system"]), params)
+            measured = shipped()[row["system"]] if kernels else None
+            s = systems[row["system"]] = with_params(load_system(row["system"], kernels=False), params, measured)
         for what, ours, ref in observations(row, s):
             if ours > 0 and ref > 0:
                 out.append((row["name"], what, math.log(ours / ref)))
@@ -80,15 +89,17 @@ def errors(rows: list[dict[str, Any]], params: dict[str, float]) -> list[tuple[s
 FITTED = ("agg tpot", "disagg tpot", "disagg prefill rps")  # step-time figures; TTFTs carry queueing models
 
 
-def _loss(rows: list[dict[str, Any]], params: dict[str, float]) -> float:
-    errs = [x for x in errors(rows, params) if x[1] in FITTED]
+def _loss(rows: list[dict[str, Any]], params: dict[str, float], kernels: bool = False) -> float:
+    errs = [x for x in errors(rows, params, kernels) if x[1] in FITTED]
     return sum(e * e for _, _, e in errs) / max(len(errs), 1)
 
 
 def fit(rows: list[dict[str, Any]], start: dict[str, float], rounds: int = 12,
-        loss: Callable[[list[dict[str, Any]], dict[str, float]], float] = _loss) -> dict[str, float]:
+        loss: Callable[[list[dict[str, Any]], dict[str, float]], float] = _loss,
+        bounds: dict[str, tuple[float, float]] | None = None) -> dict[str, float]:
     """Coordinate descent in log space, steps halving when no move helps; efficiencies stay in
-    (0.05, 1], the overhead and all-reduce latency in BOUNDS."""
+    (0.05, 1], the overhead and all-reduce latency in BOUNDS (or `bounds`)."""
+    bounds = bounds or BOUNDS
     best, cur = dict(start), loss(rows, start)
     step = 0.5
     for _ in range(rounds):
@@ -96,7 +107,7 @@ def fit(rows: list[dict[str, Any]], start: dict[str, float], rounds: int = 12,
         for k in start:
             for f in (math.exp(step), math.exp(-step)):
                 cand = dict(best)
-                lo, hi = BOUNDS.get(k, (0.05, 1.0))
+                lo, hi = bounds.get(k, (0.05, 1.0))
                 cand[k] = min(hi, max(lo, best[k] * f))
                 c = loss(rows, cand)
                 if c < cur - 1e-12:
@@ -116,23 +127,43 @@ def _report(label: str, errs: list[tuple[str, str, float]]) -> str:
     return "\n".join(lines)
 
 
+KERNEL_BOUNDS = {**{k: (0.2, 3.0) for k in EFFICIENCIES}, "step_overhead_ms": BOUNDS["step_overhead_ms"],
+                 "allreduce_latency_us": (0.2, 20.0)}
+
+
+def kernel_start(roofline: dict[str, float]) -> dict[str, float]:
+    """Scales that turn the fit systems' mean measured kernel figures into the roofline-only
+    defaults: where the kernel-scale fit starts."""
+    m = [shipped()[s] for s in FIT_SYSTEMS]
+    return {k: roofline[k] / statistics.mean(x[k] for x in m) if k in (*EFFICIENCIES, "allreduce_latency_us")
+            else roofline[k] for k in roofline}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.plan.gridfit", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default=None, help="a grid file (default: the one shipped in bench.plan.data)")
+    p.add_argument("--roofline-only", action="store_true",
+                   help="fit one set of absolute efficiencies for every system (systems.json's defaults' "
+                        "efficiency), not scales of each system's measured kernels (its kernel_scale)")
     args = p.parse_args(argv)
     grid = load_grid(args.grid)
     fit_rows = [r for r in grid["cases"] if r["part"] == "fit"]  # not the guide case: it is checked, not fitted
     held = [r for r in grid["cases"] if r["part"] == "held-out"]
-    base = load_system("h200_sxm")
+    base = load_system("h200_sxm", kernels=False)
     start = {**{k: base.efficiency[k] for k in EFFICIENCIES}, "step_overhead_ms": base.step_overhead_ms,
              "allreduce_latency_us": base.allreduce_latency_us}
-    print("before (sourced defaults):")
-    print(_report("fit", errors(fit_rows, start)))
-    print(_report("held-out", errors(held, start)))
-    got = fit(fit_rows, start)
-    print("fitted: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
-    print(_report("fit", errors(fit_rows, got)))
-    print(_report("held-out", errors(held, got)))
+    kernels = not args.roofline_only
+    if kernels:
+        scale = data_file("systems.json")["defaults"].get("kernel_scale")
+        start = dict(scale) if scale else kernel_start(start)
+    label = "kernel_scale" if kernels else "efficiency (roofline-only)"
+    print(f"before ({label} as shipped):")
+    print(_report("fit", errors(fit_rows, start, kernels)))
+    print(_report("held-out", errors(held, start, kernels)))
+    got = fit(fit_rows, start, loss=lambda r, q: _loss(r, q, kernels), bounds=KERNEL_BOUNDS if kernels else None)
+    print(f"fitted {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
+    print(_report("fit", errors(fit_rows, got, kernels)))
+    print(_report("held-out", errors(held, got, kernels)))
     return 0
 
 

@@ -44,7 +44,7 @@ def validate(i: PlanInputs) -> None:
 
 def plan(i: PlanInputs) -> Plan:
     validate(i)
-    model, system = load_model(i.model), load_system(i.system)
+    model, system = load_model(i.model), load_system(i.system, kernels=not i.roofline_only)
     t = Targets(i.ttft_ms, i.tpot_ms)
     # CPU engines keep the model's KV dtype (what the calibration measured).
     kv = "bf16" if system.name == "cpu-local" else i.kv_dtype

@@ -158,9 +158,33 @@ def cpu_local_path() -> Path:
     return cache_root() / "plan" / "cpu-local.json"
 
 
-def load_system(name: str) -> SystemSpec:
+KERNEL_MEASURES = ("gemm", "hbm", "prefill_attention", "decode_attention", "nvlink")
+
+
+def _kernel_efficiencies(name: str, defaults: dict[str, Any]) -> tuple[dict[str, float], float, float, str] | None:
+    """(efficiencies, all-reduce latency us, step overhead ms, source) of a system whose kernels
+    were measured (bench.plan.kernels): each measured figure times the defaults' fitted
+    `kernel_scale` (which carries its own step overhead, fitted with the scales)."""
+    from bench.plan.kernels import KERNELS_FILE, shipped
+
+    scale = defaults.get("kernel_scale")
+    try:
+        measured = shipped().get(name)
+    except (ValueError, KeyError) as e:
+        raise PlanError(f"{DATA_PACKAGE}/{KERNELS_FILE}: {e}") from None
+    if not scale or not measured:
+        return None
+    eff = {k: min(1.0, scale[k] * measured[k]) for k in KERNEL_MEASURES}
+    src = (f"{DATA_PACKAGE}/{KERNELS_FILE} (python -m bench.plan.kernels: this system's own measured vLLM kernels, "
+           f"AIConfigurator's per-operation tables) times systems.json's kernel_scale")
+    return eff, scale["allreduce_latency_us"] * measured["allreduce_latency_us"], scale["step_overhead_ms"], src
+
+
+def load_system(name: str, kernels: bool = True) -> SystemSpec:
     """A system from bench.plan.data's systems.json, `cpu-local` (the calibrated profile of this machine,
-    written by `pdserve bench calibrate`), or a JSON file of the same layout."""
+    written by `pdserve bench calibrate`), or a JSON file of the same layout. A systems.json system
+    whose kernels were measured (kernels.json) takes its efficiencies and all-reduce latency from
+    them unless `kernels` is False (the roofline-only model: one set of efficiencies for all)."""
     doc = data_file("systems.json")
     defaults = doc["defaults"]
     if name == "cpu-local" or name.endswith(".json"):
@@ -176,6 +200,13 @@ def load_system(name: str) -> SystemSpec:
     else:
         raise PlanError(f"unknown system {name!r}: known: {', '.join(system_names())}")
     eff = {**defaults["efficiency"], **s.get("efficiency", {})}
+    allreduce_us = float(s.get("allreduce_latency_us", defaults.get("allreduce_latency_us", 10.0)))
+    sources = {**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})}
+    overhead_ms = s.get("step_overhead_ms", defaults["step_overhead_ms"])
+    measured = _kernel_efficiencies(name, defaults) if kernels and name in doc["systems"] else None
+    if measured is not None and "efficiency" not in s:
+        eff, allreduce_us, overhead_ms = {**eff, **measured[0]}, measured[1], measured[2]
+        sources = {**sources, **{k: measured[3] for k in (*KERNEL_MEASURES, "allreduce_latency_us", "step_overhead_ms")}}
     disagg = {**DISAGG_NEUTRAL, **defaults.get("disagg", {}), **s.get("disagg", {})}
     bad = sorted(k for k, v in disagg.items() if k not in DISAGG_NEUTRAL or not 0 < float(v) <= 2)
     if bad:
@@ -184,14 +215,12 @@ def load_system(name: str) -> SystemSpec:
     return SystemSpec(
         name=s.get("name", name), peak_tflops=s["peak_tflops"], hbm_gbps=s["hbm_gbps"], memory_gib=s["memory_gib"],
         nvlink_gbps=s.get("nvlink_gbps", 25), network_gbps=s.get("network_gbps", {"rdma": 25, "tcp": 3}),
-        efficiency=eff, step_overhead_ms=s.get("step_overhead_ms", defaults["step_overhead_ms"]),
+        efficiency=eff, step_overhead_ms=overhead_ms,
         kv_memory_fraction=s.get("kv_memory_fraction", defaults["kv_memory_fraction"]),
         max_num_batched_tokens=s.get("max_num_batched_tokens", defaults["max_num_batched_tokens"]),
         gpus_per_node=s.get("gpus_per_node", 8), activation_reserve_gib=s.get("activation_reserve_gib", 2.0),
         chunked_prefill=bool(s.get("chunked_prefill", True)),
-        allreduce_latency_us=float(s.get("allreduce_latency_us", defaults.get("allreduce_latency_us", 10.0))),
-        disagg={k: float(v) for k, v in disagg.items()},
-        sources={**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})})
+        allreduce_latency_us=allreduce_us, disagg={k: float(v) for k, v in disagg.items()}, sources=sources)
 
 
 PROFILE_FORMAT = "pdserve.profile/1"

@@ -62,6 +62,7 @@ class Inputs(msgspec.Struct, frozen=True):
     kv_dtype: str = "bf16"  # the model's dtype, as vLLM's --kv-cache-dtype auto and AIConfigurator default to
     weight_dtype: str = "bf16"
     network: str = "rdma"
+    roofline_only: bool = False  # one set of efficiencies for every system, not each system's measured kernels
 
 
 class Model(msgspec.Struct, frozen=True):

@@ -41,7 +41,7 @@ def test_every_field_is_written_none_included(guide):
         ("agg_best", "disagg_best", "winner", "launch", "load_test"))
     assert doc["inputs"] == {"model": GUIDE.model, "system": "h200_sxm", "total_gpus": 4, "isl": 4000, "osl": 500,
                              "ttft_ms": 1.0, "tpot_ms": 16.67, "backend": "vllm", "kv_dtype": "bf16",
-                             "weight_dtype": "bf16", "network": "rdma"}
+                             "weight_dtype": "bf16", "network": "rdma", "roofline_only": False}
     assert set(json.loads(guide.to_json())["agg_best"]) == {
         "mode", "tp", "replicas", "batch", "prefill_tp", "prefill_workers", "prefill_batch", "decode_tp",
         "decode_workers", "decode_batch", "meets", "layout", "ttft_ms", "tpot_ms", "request_latency_ms",

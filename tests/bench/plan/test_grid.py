@@ -91,7 +91,7 @@ def test_summary_counts_agreement_and_keeps_near_ties_apart(monkeypatch):
     import bench.plan.grid as g
 
     fake = {"a": _ours(110, 70, "agg"), "b": _ours(90, 120, "disagg")}
-    monkeypatch.setattr(g, "plan_case", lambda row: fake[row["name"]])
+    monkeypatch.setattr(g, "plan_case", lambda row, *_: fake[row["name"]])
     res = compare(grid)
     s = res["summary"]["fit"]
     assert (s["cases"], s["decided"], s["near_ties"], s["same_winner"]) == (2, 1, 1, 1)
@@ -107,7 +107,7 @@ def test_cases_pdserve_itself_calls_near_ties_are_counted_apart_not_dropped(monk
     import bench.plan.grid as g
 
     fake = {"a": _ours(100, 103, "disagg", near_tie=True), "b": _ours(100, 60, "agg")}
-    monkeypatch.setattr(g, "plan_case", lambda row: fake[row["name"]])
+    monkeypatch.setattr(g, "plan_case", lambda row, *_: fake[row["name"]])
     res = compare(grid)
     s = res["summary"]["fit"]
     assert (s["decided"], s["same_winner"]) == (2, 1)
@@ -130,9 +130,12 @@ def _row(name: str, part: str, winner: str, agg: float, dis: float) -> dict:
 def test_pdserve_agrees_with_the_grid_where_it_was_fitted_and_reports_the_rest():
     s = compare(load_grid())["summary"]
     fit = s["fit"]
-    # Issue 21's targets, on the fit part: the same winner on >= 90% of decided cases, best
-    # tokens/s/GPU per mode within 15% median. (Held-out and max errors: see the closing note.)
+    # Issue 21's targets: the same winner on >= 90% of decided cases, best tokens/s/GPU per mode
+    # within 15% median, on the fit part and, with each system's measured kernels, on the
+    # held-out part (a model and a system the fit never saw). (Max errors: see the closing note.)
     assert fit["decided"] >= 25 and fit["same_winner_share"] >= 0.9
     assert fit["agg_error_median"] <= 0.15 and fit["disagg_error_median"] <= 0.15
-    assert s["held-out"]["decided"] >= 20 and s["held-out"]["same_winner_share"] >= 0.8
+    held = s["held-out"]
+    assert held["decided"] >= 20 and held["same_winner_share"] >= 0.85
+    assert held["agg_error_median"] <= 0.15 and held["disagg_error_median"] <= 0.15
     assert s["guide"]["same_winner"] == 1

@@ -9,6 +9,7 @@ import pytest
 
 from bench.plan.errors import PlanError
 from bench.plan.perf import Prediction
+from bench.plan.grid import load_grid
 from bench.plan.report import PlanInputs, plan, read_plan, write
 from bench.plan.search import Layout, Targets, _meets, pareto, rank
 from serve.deploy.plan import PLAN_SCHEMA, Plan
@@ -49,9 +50,15 @@ def test_guide_case_aggregated_wins_with_tp1_replicas(tmp_path):
     assert (a.tp, a.replicas) == (1, 4)
     assert d is not None and doc.disagg_over_agg < 1
     assert a.ttft_ms <= 600 and a.tpot_ms <= 16.67 and d.ttft_ms <= 600 and d.tpot_ms <= 16.67
-    # The guide's published AIConfigurator figures (its call sets no KV dtype: the model's, bf16).
+    # AIConfigurator's figures on the guide's case (its call sets no KV dtype: the model's, bf16):
+    # within 15% of the version the reference grid uses (0.12.0, vLLM 0.24.0 tables), and within
+    # 20% of the guide's published ones (an older AIConfigurator on vLLM 0.12.0 tables, which its
+    # own newer release puts 11% and 16% lower: 3,365.9 and 2,591.8 against 3,785.20 and 3,067.51).
     assert doc.kv_dtype == "bf16"
-    assert 0.85 <= a.tokens_per_s_per_gpu / 3785.20 <= 1.15 and 0.85 <= d.tokens_per_s_per_gpu / 3067.51 <= 1.15
+    aic = next(r for r in load_grid()["cases"] if r["part"] == "guide")["aic"]
+    assert 0.85 <= a.tokens_per_s_per_gpu / aic["agg"]["tokens_per_s_per_gpu"] <= 1.15
+    assert 0.85 <= d.tokens_per_s_per_gpu / aic["disagg"]["tokens_per_s_per_gpu"] <= 1.15
+    assert 0.8 <= a.tokens_per_s_per_gpu / 3785.20 <= 1.2 and 0.8 <= d.tokens_per_s_per_gpu / 3067.51 <= 1.2
     assert "--workers 4" in doc.launch.up and "--tensor-parallel-size 1" in doc.launch.up
     c = round(a.concurrency)
     assert f"--concurrency {c} " in doc.load_test and f"--num-requests {40 * c} " in doc.load_test

@@ -1,0 +1,60 @@
+"""Each GPU system's own measured kernel efficiencies (bench/plan/kernels.py, kernels.json):
+shipped in the package, applied by load_system through the fitted kernel scales, and off in
+the roofline-only model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.plan.kernels import KERNELS_FORMAT, MEASURED, shipped
+from bench.plan.specs import KERNEL_MEASURES, data_file, load_system
+
+
+def test_the_shipped_file_measures_every_datasheet_system_with_its_provenance():
+    from importlib.resources import files
+
+    doc = json.loads(files("bench.plan.data").joinpath("kernels.json").read_text())
+    assert doc["format"] == KERNELS_FORMAT and doc["aiconfigurator"] and "bench.plan.kernels" in doc["made_by"]
+    systems = data_file("systems.json")["systems"]
+    assert set(shipped()) == set(systems)
+    for name, m in shipped().items():
+        assert all(0 < m[k] <= 1 for k in MEASURED if k != "allreduce_latency_us"), name
+        assert 1 < m["allreduce_latency_us"] < 100 and m["rows"]["gemm"] > 10 and m["tables"]["gemm"]
+    # What motivates the file: B200's kernels reach less of its datasheet than Hopper's do.
+    b, h = shipped()["b200_sxm"], shipped()["h100_sxm"]
+    assert b["gemm"] < h["gemm"] and b["allreduce_latency_us"] > h["allreduce_latency_us"]
+
+
+@pytest.mark.parametrize("name", ["h100_sxm", "b200_sxm"])
+def test_a_measured_system_takes_its_efficiencies_from_its_kernels_times_the_fitted_scale(name):
+    scale = data_file("systems.json")["defaults"]["kernel_scale"]
+    m = shipped()[name]
+    s = load_system(name)
+    for k in KERNEL_MEASURES:
+        assert s.efficiency[k] == pytest.approx(min(1.0, scale[k] * m[k]))
+        assert "kernels.json" in s.sources[k]
+    assert s.allreduce_latency_us == pytest.approx(scale["allreduce_latency_us"] * m["allreduce_latency_us"])
+    assert s.step_overhead_ms == pytest.approx(scale["step_overhead_ms"])
+    assert s.efficiency["network"] == data_file("systems.json")["defaults"]["efficiency"]["network"]
+
+
+def test_the_roofline_only_model_gives_every_system_the_same_efficiencies():
+    defaults = data_file("systems.json")["defaults"]
+    a, b = load_system("h200_sxm", kernels=False), load_system("b200_sxm", kernels=False)
+    assert a.efficiency == b.efficiency == defaults["efficiency"]
+    assert a.allreduce_latency_us == b.allreduce_latency_us == defaults["allreduce_latency_us"]
+    assert load_system("b200_sxm").efficiency["gemm"] < load_system("h200_sxm").efficiency["gemm"]
+
+
+def test_plan_roofline_only_is_recorded_and_changes_the_b200_prediction():
+    from bench.plan.report import PlanInputs, plan
+
+    args = dict(model="meta-llama/Llama-3.1-8B-Instruct", system="b200_sxm", total_gpus=8, isl=4000, osl=500,
+                ttft_ms=2000.0, tpot_ms=50.0)
+    measured, roofline = plan(PlanInputs(**args)), plan(PlanInputs(**args, roofline_only=True))
+    assert roofline.inputs.roofline_only and not measured.inputs.roofline_only
+    assert measured.system.efficiency["gemm"] < roofline.system.efficiency["gemm"]
+    # Slower kernels: fewer tokens/s/GPU from the same GPUs.
+    assert measured.agg_best.tokens_per_s_per_gpu < roofline.agg_best.tokens_per_s_per_gpu
