@@ -25,6 +25,12 @@ from the grid. What is measured, per system (one statistic each, the median of t
   nvlink             all-reduce (vLLM custom all-reduce, CUDA graph) on the most GPUs measured,
                      the largest message: bus bandwidth 2 (n-1)/n * bytes / latency / NVLink
   allreduce_latency_us  the same all-reduce's smallest message: its latency
+  allreduce_us       the same all-reduce's whole curve, per GPU count: [message bytes, latency
+                     us] (the planner interpolates it: a TP all-reduce's cost is not a latency
+                     plus a bandwidth, B200's has a bump at 128-256 KB)
+  layer_floor_us     what one layer's kernels take however little work they have: 4 times the
+                     median bf16 GEMM with m <= 16 and n*k <= 1024^2, plus the median generation
+                     attention with batch <= 4 and context <= 256 (bf16 KV, head_dim 128)
 
 Only the standard library is imported at module level; making the file needs pandas and
 pyarrow (AIConfigurator's own environment: `make aiconfigurator`). Reading it needs neither.
@@ -43,7 +49,8 @@ from typing import Any
 
 KERNELS_FORMAT = "pdserve.kernels/1"
 KERNELS_FILE = "kernels.json"  # in bench.plan.data
-MEASURED = ("gemm", "hbm", "prefill_attention", "decode_attention", "nvlink", "allreduce_latency_us")
+MEASURED = ("gemm", "hbm", "prefill_attention", "decode_attention", "nvlink", "allreduce_latency_us", "layer_floor_us")
+GEMMS_PER_LAYER = 4  # QKV, output projection, gate+up, down
 FRAMEWORK = "vllm"
 
 
@@ -86,6 +93,14 @@ def _full_attention(t: Any) -> Any:
     return t[t.window_size == 0] if "window_size" in t.columns else t
 
 
+def _allreduce_curves(t: Any) -> dict[str, list[list[float]]]:
+    """{GPUs: [[message bytes, latency us], ...]}: the all-reduce as measured (vLLM custom
+    all-reduce under CUDA graphs, bf16), every message size, for every GPU count."""
+    t = t[(t.backend == "vllm_graph") & (t.allreduce_dtype == "bfloat16")]
+    return {str(int(n)): [[int(m), round(float(lat) * 1e3, 3)] for m, lat in zip(x.message_size, x.latency)]
+            for n, x in ((n, t[t.num_gpus == n].sort_values("message_size")) for n in sorted(t.num_gpus.unique()))}
+
+
 def measure(system_dir: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
     """One system's measured efficiencies (module docstring) from its AIConfigurator tables."""
     peak = spec["peak_tflops"]["bf16"] * 1e12
@@ -111,6 +126,12 @@ def measure(system_dir: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
     if min(len(big), len(stream), len(c), len(a), len(r)) == 0:
         return None
     largest = r.iloc[-1]
+    tiny_gemm = g[(g.m <= 16) & (g.n * g.k <= 1024 * 1024)]
+    tiny_attn = _full_attention(tables["gen"][0])
+    tiny_attn = tiny_attn[(tiny_attn.head_dim == 128) & (tiny_attn.batch_size <= 4) & (tiny_attn.step <= 256)]
+    if min(len(tiny_gemm), len(tiny_attn)) == 0:
+        return None
+    floor_ms = GEMMS_PER_LAYER * float(tiny_gemm.latency.median()) + float(tiny_attn.latency.median())
     return {
         "gemm": round(float((2 * big.m * big.n * big.k / sec[big.index]).median() / peak), 4),
         "hbm": round(float(((stream.n * stream.k + stream.m * (stream.n + stream.k)) * 2 / sec[stream.index])
@@ -122,9 +143,11 @@ def measure(system_dir: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
         "nvlink": round(float(2 * (n - 1) / n * largest.message_size / (largest.latency / 1e3)
                               / (spec["nvlink_gbps"] * 1e9)), 4),
         "allreduce_latency_us": round(float(r.iloc[0].latency * 1e3), 3),
+        "layer_floor_us": round(floor_ms * 1e3, 3),
+        "allreduce_us": _allreduce_curves(tables["ar"][0]),
         "tables": {"gemm": tables["gemm"][1], "attention": tables["ctx"][1], "comm": tables["ar"][1]},
         "rows": {"gemm": len(big), "hbm": len(stream), "prefill_attention": len(c), "decode_attention": len(a),
-                 "allreduce_gpus": n, "allreduce_bytes": [int(r.iloc[0].message_size), int(largest.message_size)]},
+                 "allreduce_gpus": n, "floor_gemms": len(tiny_gemm), "floor_attention": len(tiny_attn), "allreduce_bytes": [int(r.iloc[0].message_size), int(largest.message_size)]},
     }
 
 

@@ -13,11 +13,17 @@ Per GPU, with tensor parallelism `tp` splitting weights, KV heads and FLOPs even
                            4 * L * H * d * c * B / tp / (peak_bf16 * e_prefill_attn))
   allreduce(T)       = tp > 1: 2 * L all-reduces of T * hidden * 2 bytes, each
                        2 (tp - 1) / tp * bytes / (nvlink * e_nvlink) + the system's
-                       all-reduce latency (allreduce_latency_us)
+                       all-reduce latency (allreduce_latency_us); where the system's measured
+                       all-reduce curve covers the TP (allreduce_curve), that curve at the
+                       message size instead
   elementwise(T)     = T * L * 2 bytes * (10 hidden + 3 intermediate + 2 (H + KV heads) d)
                        / tp / (hbm * e_hbm): RMSNorms, residual adds, SiLU*mul and RoPE read
                        and write bf16 activations once each
-  step               = overhead + linear + attention + elementwise + allreduce  (no overlap)
+  layer floor        = L * layer_floor_us: what a layer's kernels take however small their work
+                       (4 GEMMs and the attention kernel at their measured minimum latency;
+                       0 in the roofline-only model)
+  step               = overhead + linear + attention + elementwise + allreduce + layer floor
+                       (no overlap)
 
   kv_bytes_per_token = 2 (K and V) * L * KV heads * d * bytes(kv dtype)   (fp8: 1, bf16: 2)
   KV transfer(S)     = S * kv_bytes_per_token / (network * e_network)
@@ -70,6 +76,20 @@ from serve.sim.profile import ProfileStep, from_dict
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2}
 _PROFILES: dict[int, tuple[dict, ProfileStep]] = {}  # parsed measured profiles, by their document
+
+
+def interpolate_us(curve: list[list[float]], size: float) -> float:
+    """A measured [[bytes, us], ...] curve (ascending) at `size` bytes: linear in log-log between
+    points, the smallest message's latency below them, proportional to size above them."""
+    if size <= curve[0][0]:
+        return curve[0][1]
+    if size >= curve[-1][0]:
+        return curve[-1][1] * size / curve[-1][0]
+    for (b0, t0), (b1, t1) in zip(curve, curve[1:]):
+        if size <= b1:
+            f = math.log(size / b0) / math.log(b1 / b0)
+            return math.exp(math.log(t0) + f * (math.log(t1) - math.log(t0)))
+    return curve[-1][1]  # unreachable: size < the last point
 
 
 @dataclass(frozen=True)
@@ -125,6 +145,9 @@ class Engine:
         if self.tp == 1:
             return 0.0
         size = tokens * self.model.hidden * 2
+        curve = (self.system.allreduce_curve or {}).get(str(self.tp))
+        if curve:
+            return 2 * self.model.layers * interpolate_us(curve, size) * 1e-6
         per = 2 * (self.tp - 1) / self.tp * size / (self.system.nvlink_gbps * 1e9 * self.system.efficiency["nvlink"])
         return 2 * self.model.layers * (per + self.system.allreduce_latency_us * 1e-6)
 
@@ -156,7 +179,7 @@ class Engine:
             t += self.prefill_attention_s(prefill_isl, prefill_tokens / prefill_isl)
         t += self.elementwise_s(decode_batch + prefill_tokens)
         t += self.allreduce_s(decode_batch + prefill_tokens)
-        return t
+        return t + self.model.layers * self.system.layer_floor_us * 1e-6
 
     def prefill_s(self, isl: float, prompts: int = 1) -> float:
         return self.step_s(0, 0, isl * prompts, isl)

@@ -78,6 +78,8 @@ class SystemSpec:
     activation_reserve_gib: float = 2.0  # per engine, besides weights and KV cache
     chunked_prefill: bool = True  # the engine's setting (CPU workers run without it)
     allreduce_latency_us: float = 10.0  # one TP all-reduce's fixed cost (launch + synchronisation)
+    layer_floor_us: float = 0.0  # per layer and step: its kernels' fixed latency (measured kernels only)
+    allreduce_curve: dict[str, list[list[float]]] | None = None  # measured all-reduce per TP (perf.py)
     # disaggregated-only factors (see perf.py): prefill_latency, decode_latency,
     # prefill_utilisation, decode_occupancy
     disagg: dict[str, float] = field(default_factory=lambda: dict(DISAGG_NEUTRAL))
@@ -161,10 +163,10 @@ def cpu_local_path() -> Path:
 KERNEL_MEASURES = ("gemm", "hbm", "prefill_attention", "decode_attention", "nvlink")
 
 
-def _kernel_efficiencies(name: str, defaults: dict[str, Any]) -> tuple[dict[str, float], float, float, str] | None:
-    """(efficiencies, all-reduce latency us, step overhead ms, source) of a system whose kernels
-    were measured (bench.plan.kernels): each measured figure times the defaults' fitted
-    `kernel_scale` (which carries its own step overhead, fitted with the scales)."""
+def _kernel_efficiencies(name: str, defaults: dict[str, Any]) -> tuple[dict[str, float], dict[str, float], str] | None:
+    """(efficiencies, {allreduce_latency_us, layer_floor_us, step_overhead_ms}, source) of a
+    system whose kernels were measured (bench.plan.kernels): each measured figure times the
+    defaults' fitted `kernel_scale` (which carries its own step overhead, fitted with the scales)."""
     from bench.plan.kernels import KERNELS_FILE, shipped
 
     scale = defaults.get("kernel_scale")
@@ -177,7 +179,14 @@ def _kernel_efficiencies(name: str, defaults: dict[str, Any]) -> tuple[dict[str,
     eff = {k: min(1.0, scale[k] * measured[k]) for k in KERNEL_MEASURES}
     src = (f"{DATA_PACKAGE}/{KERNELS_FILE} (python -m bench.plan.kernels: this system's own measured vLLM kernels, "
            f"AIConfigurator's per-operation tables) times systems.json's kernel_scale")
-    return eff, scale["allreduce_latency_us"] * measured["allreduce_latency_us"], scale["step_overhead_ms"], src
+    fixed = {k: scale[k] * measured[k] for k in ("allreduce_latency_us", "layer_floor_us")}
+    curve = scale_curve(measured.get("allreduce_us"), scale["allreduce_latency_us"])
+    return eff, {**fixed, "step_overhead_ms": scale["step_overhead_ms"], "allreduce_curve": curve}, src
+
+
+def scale_curve(curve: dict[str, list[list[float]]] | None, scale: float) -> dict[str, list[list[float]]] | None:
+    """A measured all-reduce curve with its latencies times `scale`."""
+    return None if not curve else {n: [[b, us * scale] for b, us in pts] for n, pts in curve.items()}
 
 
 def load_system(name: str, kernels: bool = True) -> SystemSpec:
@@ -202,11 +211,12 @@ def load_system(name: str, kernels: bool = True) -> SystemSpec:
     eff = {**defaults["efficiency"], **s.get("efficiency", {})}
     allreduce_us = float(s.get("allreduce_latency_us", defaults.get("allreduce_latency_us", 10.0)))
     sources = {**defaults["sources"], **({"system": s["source"]} if "source" in s else {}), **s.get("sources", {})}
-    overhead_ms = s.get("step_overhead_ms", defaults["step_overhead_ms"])
+    fixed = {"allreduce_latency_us": allreduce_us, "layer_floor_us": 0.0, "allreduce_curve": None,
+             "step_overhead_ms": s.get("step_overhead_ms", defaults["step_overhead_ms"])}
     measured = _kernel_efficiencies(name, defaults) if kernels and name in doc["systems"] else None
     if measured is not None and "efficiency" not in s:
-        eff, allreduce_us, overhead_ms = {**eff, **measured[0]}, measured[1], measured[2]
-        sources = {**sources, **{k: measured[3] for k in (*KERNEL_MEASURES, "allreduce_latency_us", "step_overhead_ms")}}
+        eff, fixed = {**eff, **measured[0]}, measured[1]
+        sources = {**sources, **{k: measured[2] for k in (*KERNEL_MEASURES, *fixed) if fixed.get(k, 0) is not None}}
     disagg = {**DISAGG_NEUTRAL, **defaults.get("disagg", {}), **s.get("disagg", {})}
     bad = sorted(k for k, v in disagg.items() if k not in DISAGG_NEUTRAL or not 0 < float(v) <= 2)
     if bad:
@@ -215,12 +225,13 @@ def load_system(name: str, kernels: bool = True) -> SystemSpec:
     return SystemSpec(
         name=s.get("name", name), peak_tflops=s["peak_tflops"], hbm_gbps=s["hbm_gbps"], memory_gib=s["memory_gib"],
         nvlink_gbps=s.get("nvlink_gbps", 25), network_gbps=s.get("network_gbps", {"rdma": 25, "tcp": 3}),
-        efficiency=eff, step_overhead_ms=overhead_ms,
+        efficiency=eff, step_overhead_ms=fixed["step_overhead_ms"],
         kv_memory_fraction=s.get("kv_memory_fraction", defaults["kv_memory_fraction"]),
         max_num_batched_tokens=s.get("max_num_batched_tokens", defaults["max_num_batched_tokens"]),
         gpus_per_node=s.get("gpus_per_node", 8), activation_reserve_gib=s.get("activation_reserve_gib", 2.0),
         chunked_prefill=bool(s.get("chunked_prefill", True)),
-        allreduce_latency_us=allreduce_us, disagg={k: float(v) for k, v in disagg.items()}, sources=sources)
+        allreduce_latency_us=fixed["allreduce_latency_us"], layer_floor_us=fixed["layer_floor_us"],
+        allreduce_curve=fixed["allreduce_curve"], disagg={k: float(v) for k, v in disagg.items()}, sources=sources)
 
 
 PROFILE_FORMAT = "pdserve.profile/1"

@@ -1,8 +1,8 @@
 """Step-time profiles from the planner's performance model: every (model, system, TP, KV
 dtype) the planner ranks becomes a `pdserve.profile/1` file a simulated engine runs on.
 
-The planner's step (bench/plan/perf.py) is overhead + linear(T) + elementwise(T) +
-allreduce(T) + attention. The token-proportional part is tabulated at the token counts
+The planner's step (bench/plan/perf.py) is overhead + layer floor + linear(T) +
+elementwise(T) + allreduce(T) + attention. The token-proportional part is tabulated at the token counts
 below (it is a roofline: flat while weight streaming dominates, then linear in T); the
 attention parts are linear in their work, so they are single rates:
   decode:  max(KV bytes per context token / HBM, attention FLOPs per context token / peak)
@@ -34,7 +34,8 @@ def engine_of(model: str, system: str, tp: int = 1, kv_dtype: str = "fp8") -> En
 
 def planner_step(e: Engine, network: str | None = None) -> ProfileStep:
     """The planner's step model of engine `e` as a profile (with `network`'s KV link, if given)."""
-    overhead = e.system.step_overhead_ms / 1000.0
+    # The per-layer kernel floor (measured-kernel systems) is a fixed cost per step, like the overhead.
+    overhead = e.system.step_overhead_ms / 1000.0 + e.model.layers * e.system.layer_floor_us * 1e-6
     # The roofline's knee (where the GEMMs stop streaming weights and start computing) is a
     # table point too: linear interpolation across it would cut the corner.
     lo, hi = e.linear_s(1), e.linear_s(1 << 20) / (1 << 20)  # weight streaming; compute per token

@@ -92,6 +92,10 @@ class System(msgspec.Struct, frozen=True):
     activation_reserve_gib: float = 2.0
     chunked_prefill: bool = True  # the engine's setting: off, a prompt goes through whole in one step
     allreduce_latency_us: float = 10.0  # one TP all-reduce's fixed cost (launch + synchronisation)
+    layer_floor_us: float = 0.0  # per layer and step: the fixed latency of its GEMM and attention kernels
+    # A measured all-reduce per TP: {GPUs: [[message bytes, latency us], ...]} (interpolated;
+    # stands for allreduce_latency_us and the NVLink bandwidth at the TPs it covers).
+    allreduce_curve: dict[str, list[list[float]]] | None = None
     disagg: dict[str, float] = msgspec.field(default_factory=lambda: dict(DISAGG_NEUTRAL))
     sources: dict[str, str] = msgspec.field(default_factory=dict)
     # A measured step-time profile (pdserve.profile/1) standing for this system: its step

@@ -20,8 +20,9 @@ def test_the_shipped_file_measures_every_datasheet_system_with_its_provenance():
     systems = data_file("systems.json")["systems"]
     assert set(shipped()) == set(systems)
     for name, m in shipped().items():
-        assert all(0 < m[k] <= 1 for k in MEASURED if k != "allreduce_latency_us"), name
+        assert all(0 < m[k] <= 1 for k in MEASURED if not k.endswith("_us")), name
         assert 1 < m["allreduce_latency_us"] < 100 and m["rows"]["gemm"] > 10 and m["tables"]["gemm"]
+        assert 5 < m["layer_floor_us"] < 100 and m["rows"]["floor_gemms"] > 10
     # What motivates the file: B200's kernels reach less of its datasheet than Hopper's do.
     b, h = shipped()["b200_sxm"], shipped()["h100_sxm"]
     assert b["gemm"] < h["gemm"] and b["allreduce_latency_us"] > h["allreduce_latency_us"]
@@ -58,3 +59,39 @@ def test_plan_roofline_only_is_recorded_and_changes_the_b200_prediction():
     assert measured.system.efficiency["gemm"] < roofline.system.efficiency["gemm"]
     # Slower kernels: fewer tokens/s/GPU from the same GPUs.
     assert measured.agg_best.tokens_per_s_per_gpu < roofline.agg_best.tokens_per_s_per_gpu
+
+
+def test_a_measured_all_reduce_curve_is_interpolated_log_log_and_extended_in_proportion():
+    from bench.plan.perf import interpolate_us
+
+    curve = [[1024, 10.0], [4096, 40.0], [16384, 40.0]]
+    assert interpolate_us(curve, 512) == 10.0  # below the smallest message: its latency
+    assert interpolate_us(curve, 4096) == pytest.approx(40.0)
+    assert interpolate_us(curve, 2048) == pytest.approx(20.0)  # log-log: latency ~ size between 1 and 4 KiB
+    assert interpolate_us(curve, 8192) == pytest.approx(40.0)
+    assert interpolate_us(curve, 32768) == pytest.approx(80.0)  # past the largest: in proportion to size
+
+
+def test_the_step_takes_the_measured_all_reduce_at_its_tp_and_a_floor_per_layer():
+    from dataclasses import replace
+
+    from bench.plan.perf import Engine
+    from bench.plan.specs import load_model
+
+    model = load_model("meta-llama/Llama-3.1-8B-Instruct")
+    s = load_system("b200_sxm")
+    assert s.allreduce_curve and set(s.allreduce_curve) == {"2", "4", "8"} and s.layer_floor_us > 0
+    scale = data_file("systems.json")["defaults"]["kernel_scale"]
+    raw = shipped()["b200_sxm"]["allreduce_us"]["8"]
+    assert s.allreduce_curve["8"][0][1] == pytest.approx(raw[0][1] * scale["allreduce_latency_us"])
+    e = Engine(model, s, 8, "bf16", "bf16")
+    tokens = 4  # 4 * hidden * 2 bytes = 32 KiB: a measured message size, taken as measured
+    at = {b: us for b, us in s.allreduce_curve["8"]}[tokens * model.hidden * 2]
+    assert e.allreduce_s(tokens) == pytest.approx(2 * model.layers * at * 1e-6)
+    # A TP the curve does not cover falls back to latency + bandwidth.
+    no_curve = Engine(model, replace(s, allreduce_curve={"2": s.allreduce_curve["2"]}), 8, "bf16", "bf16")
+    assert no_curve.allreduce_s(tokens) > 2 * model.layers * s.allreduce_latency_us * 1e-6
+    floorless = Engine(model, replace(s, layer_floor_us=0.0), 8, "bf16", "bf16")
+    assert e.step_s(16, 2000) - floorless.step_s(16, 2000) == pytest.approx(model.layers * s.layer_floor_us * 1e-6)
+    roofline = load_system("b200_sxm", kernels=False)
+    assert roofline.layer_floor_us == 0.0 and roofline.allreduce_curve is None
