@@ -136,7 +136,8 @@ def _report(label: str, errs: list[tuple[str, str, float]]) -> str:
 
 # hbm: weight streaming reaches at most ~90% of the datasheet (STREAM-like copy kernels' best on
 # A100/H100): 1.1 times the best measured median (H100's 0.80) is 0.88.
-KERNEL_BOUNDS = {**{k: (0.2, 3.0) for k in EFFICIENCIES}, "hbm": (0.2, 1.1), "step_overhead_ms": BOUNDS["step_overhead_ms"],
+KERNEL_BOUNDS = {**{k: (0.2, 3.0) for k in EFFICIENCIES}, "hbm": (0.2, 1.1),
+                 "step_overhead_ms": BOUNDS["step_overhead_ms"],
                  "allreduce_latency_us": (0.2, 20.0), "layer_floor_us": (0.05, 5.0)}
 
 

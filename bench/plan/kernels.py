@@ -147,7 +147,8 @@ def measure(system_dir: Path, spec: dict[str, Any]) -> dict[str, Any] | None:
         "allreduce_us": _allreduce_curves(tables["ar"][0]),
         "tables": {"gemm": tables["gemm"][1], "attention": tables["ctx"][1], "comm": tables["ar"][1]},
         "rows": {"gemm": len(big), "hbm": len(stream), "prefill_attention": len(c), "decode_attention": len(a),
-                 "allreduce_gpus": n, "floor_gemms": len(tiny_gemm), "floor_attention": len(tiny_attn), "allreduce_bytes": [int(r.iloc[0].message_size), int(largest.message_size)]},
+                 "allreduce_gpus": n, "floor_gemms": len(tiny_gemm), "floor_attention": len(tiny_attn),
+                 "allreduce_bytes": [int(r.iloc[0].message_size), int(largest.message_size)]},
     }
 
 
