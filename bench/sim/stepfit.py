@@ -11,8 +11,10 @@ piecewise linear through knots at 8, 16, 32, ... tokens (zero at 0, linear below
 knot), and the pairs of a prefill chunk with c tokens computed and n new are n*c + n(n+1)/2.
 The unknowns are non-negative and tokens() never decreases (it is fitted as non-negative
 increments between knots), by non-negative least squares on the relative error (each step
-weighted by 1/its time: a 2 ms decode step counts as much as a 1 s prefill). Knots past the
-largest step's tokens are dropped; the last one kept is at or above it.
+weighted by 1/its time: a 2 ms decode step counts as much as a 1 s prefill), with two weak
+priors for what the steps cannot tell (`_priors`: tokens() straight where no step bends it;
+attention pairs no larger than needed, which decides when every prompt has one length). Knots
+past the largest step's tokens are dropped; the last one kept is at or above it.
 
 Reported beside the profile: the fit's relative error per kind of step (prefill only,
 decode only, mixed), p50 and p90: how well one model explains every step it saw.
@@ -114,9 +116,10 @@ def fit(steps: Sequence[Step]) -> tuple[ProfileStep, dict[str, Any]]:
         y.append(s)
     a, b = np.array(rows), np.array(y)
     w = 1.0 / b
-    scale = np.abs(a * w[:, None]).max(axis=0)
+    aw, bw = np.vstack([a * w[:, None], _priors(steps, knots)]), np.concatenate([b * w, np.zeros(nk)])
+    scale = np.abs(aw).max(axis=0)
     scale[scale == 0] = 1.0
-    x = nnls((a * w[:, None]) / scale, b * w) / scale
+    x = nnls(aw / scale, bw) / scale
     overhead, delta, rate_d, rate_p = x[0], x[1:1 + nk], x[1 + nk], x[2 + nk]
     ys = cum @ delta
     step = ProfileStep(overhead_s=float(overhead), token_points=tuple((k, float(v)) for k, v in zip(knots, ys)),
@@ -129,6 +132,34 @@ def fit(steps: Sequence[Step]) -> tuple[ProfileStep, dict[str, Any]]:
               "relative_error": {k: {"steps": len(v), "p50": _q(v, 0.5), "p90": _q(v, 0.9)}
                                  for k, v in errors.items() if v}}
     return step, report
+
+
+SMOOTH = 0.1  # weight of a slope change between adjacent token segments (relative to a typical slope)
+PAIR_PRIOR = 0.1  # weight of the attention-pair term's share of a typical prefill step
+
+
+def _priors(steps: Sequence[Step], knots: Sequence[int]) -> np.ndarray:
+    """Weak priors, rows of the weighted system whose target is 0, for what the steps leave
+    undetermined (a step's own row weighs 1 against these 0.1s, and there are hundreds):
+    - tokens() bends only where steps say so: each interior knot adds SMOOTH x (the change of
+      slope there) / a typical seconds per token. Between knots no step is near, the curve is
+      then a straight line, not one flat segment and one steep one.
+    - the attention-pair term is no larger than the steps need: PAIR_PRIOR x its share of a
+      typical prefill step. When every prompt has the same length, pairs are a fixed multiple
+      of tokens and the two cannot be told apart; the linear layers (tokens) then take the cost
+      (at 256 tokens attention is a few percent of a small model's prefill FLOPs)."""
+    nk = len(knots)
+    rows = np.zeros((nk, 1 + nk + 2))
+    per_token = float(np.median([s / max(1, _tokens(d, p)) for s, d, p in steps]))
+    edges = [0, *knots]
+    for j in range(1, nk):  # slope of segment j minus slope of segment j+1, in increments of tokens()
+        rows[j - 1, 1 + j - 1] = SMOOTH / (edges[j] - edges[j - 1]) / per_token
+        rows[j - 1, 1 + j] = -SMOOTH / (edges[j + 1] - edges[j]) / per_token
+    prefills = [(s, _pairs(p)) for s, d, p in steps if p]
+    if prefills:
+        seconds, pairs = np.median([s for s, _ in prefills]), np.median([q for _, q in prefills])
+        rows[nk - 1, -1] = PAIR_PRIOR * pairs / seconds
+    return rows
 
 
 def _near(sorted_counts: list[int], k: int) -> bool:

@@ -104,3 +104,25 @@ def test_steps_past_the_knot_table_extend_it():
     step, report = fit(steps)
     assert report["max_step_tokens"] == 150_000 and step.token_points[-1][0] >= 150_000
     assert len({k for k, _ in step.token_points}) == len(step.token_points)  # no repeated knot
+
+
+def test_one_prompt_length_and_few_batch_sizes_leave_tokens_linear_and_pairs_to_what_is_needed():
+    """What `bench.plan.cpucheck` records on a CPU: decodes of 1 and 4 sequences and 256-token
+    prompts (alone, or three at once), every prompt one length, so attention pairs are a fixed
+    multiple of tokens. Such steps cannot tell the two terms apart, nor what a step of 16
+    decodes costs; the weak priors make tokens() a straight line where no step bends it and
+    leave the prompts' cost to the linear layers. Before them the fit put every prompt's cost
+    in pairs, kept tokens() flat from 8 to 256 and priced 16 decodes as 8 (-42% on the CPU
+    check's concurrency 16)."""
+    true = ProfileStep(overhead_s=0.035, token_points=((1024, 1024 * 0.026),), prefill_pair_s=0.0,
+                       decode_context_s=3e-5)  # compute-bound from one token: 26 ms a token
+    rng = random.Random(5)
+    shapes = [([300], []), ([300] * 4, []), ([], [[0, 256]]), ([300], [[0, 256]] * 3)]
+    steps = [(true.step_seconds(d, [tuple(c) for c in p]) * rng.uniform(0.97, 1.03), d, p)
+             for d, p in (shapes[rng.choice([0, 0, 1, 1, 2, 3])] for _ in range(400))]
+    step, _ = fit(steps)
+    for decodes in (8, 16, 64):  # batch sizes it never saw
+        assert step.step_seconds([300] * decodes, []) == pytest.approx(true.step_seconds([300] * decodes, []), rel=0.1)
+    assert step.prefill_pair_s * 256 * 257 / 2 < 0.05 * step.step_seconds([], [(0, 256)])
+    # A prompt of another length, from the tokens alone.
+    assert step.step_seconds([], [(0, 128)]) == pytest.approx(true.step_seconds([], [(0, 128)]), rel=0.1)
