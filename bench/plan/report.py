@@ -134,11 +134,21 @@ def table(rows: list[PlannedLayout], title: str) -> str:
     return "\n".join(lines)
 
 
+def step_model(doc: Plan) -> str:
+    """Which step model the plan ran on, in words."""
+    s = doc.system
+    if s.step_profile is not None:
+        return f"the measured step profile {s.sources.get('profile', s.name)}"
+    if "kernels.json" in s.sources.get("gemm", ""):
+        return f"roofline on {s.name}'s own measured kernels (bench.plan.data/kernels.json) x fitted scales"
+    return "roofline-only (one set of fitted efficiencies for every system)"
+
+
 def summary_text(doc: Plan) -> str:
     i = doc.inputs
     out = [f"pdserve plan: {i.model} on {i.total_gpus} x {i.system}, ISL {i.isl}, OSL {i.osl}, "
            f"TTFT <= {i.ttft_ms:g} ms, TPOT <= {i.tpot_ms:g} ms, KV {i.kv_dtype}, network {i.network}",
-           "", table(doc.agg_top[:5], "aggregated (best first)"), "",
+           f"step model: {step_model(doc)}", "", table(doc.agg_top[:5], "aggregated (best first)"), "",
            table(doc.disagg_top[:5], "disaggregated (best first)"), ""]
     a, d = doc.agg_best, doc.disagg_best
     if a and d:

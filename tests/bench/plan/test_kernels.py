@@ -57,6 +57,10 @@ def test_plan_roofline_only_is_recorded_and_changes_the_b200_prediction():
     measured, roofline = plan(PlanInputs(**args)), plan(PlanInputs(**args, roofline_only=True))
     assert roofline.inputs.roofline_only and not measured.inputs.roofline_only
     assert measured.system.efficiency["gemm"] < roofline.system.efficiency["gemm"]
+    from bench.plan.report import summary_text
+
+    assert "b200_sxm's own measured kernels" in summary_text(measured)
+    assert "step model: roofline-only" in summary_text(roofline)
     # Slower kernels: fewer tokens/s/GPU from the same GPUs.
     assert measured.agg_best.tokens_per_s_per_gpu < roofline.agg_best.tokens_per_s_per_gpu
 
