@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from bench.plan.errors import PlanError
+from bench.plan.kernels import KERNELS_FILE, shipped
 from serve.deploy import plan as planfile
 from serve.deploy.plan import DISAGG_NEUTRAL
 
@@ -167,8 +168,6 @@ def _kernel_efficiencies(name: str, defaults: dict[str, Any]) -> tuple[dict[str,
     """(efficiencies, {allreduce_latency_us, layer_floor_us, step_overhead_ms}, source) of a
     system whose kernels were measured (bench.plan.kernels): each measured figure times the
     defaults' fitted `kernel_scale` (which carries its own step overhead, fitted with the scales)."""
-    from bench.plan.kernels import KERNELS_FILE, shipped
-
     scale = defaults.get("kernel_scale")
     try:
         measured = shipped().get(name)
@@ -192,8 +191,9 @@ def scale_curve(curve: dict[str, list[list[float]]] | None, scale: float) -> dic
 def load_system(name: str, kernels: bool = True) -> SystemSpec:
     """A system from bench.plan.data's systems.json, `cpu-local` (the calibrated profile of this machine,
     written by `pdserve bench calibrate`), or a JSON file of the same layout. A systems.json system
-    whose kernels were measured (kernels.json) takes its efficiencies and all-reduce latency from
-    them unless `kernels` is False (the roofline-only model: one set of efficiencies for all)."""
+    whose kernels were measured (kernels.json) takes its efficiencies, all-reduce curve and latency,
+    per-layer kernel floor and step overhead from them and `kernel_scale` unless `kernels` is False
+    (the roofline-only model: one set of efficiencies for every system, no floor)."""
     doc = data_file("systems.json")
     defaults = doc["defaults"]
     if name == "cpu-local" or name.endswith(".json"):
@@ -216,7 +216,7 @@ def load_system(name: str, kernels: bool = True) -> SystemSpec:
     measured = _kernel_efficiencies(name, defaults) if kernels and name in doc["systems"] else None
     if measured is not None and "efficiency" not in s:
         eff, fixed = {**eff, **measured[0]}, measured[1]
-        sources = {**sources, **{k: measured[2] for k in (*KERNEL_MEASURES, *fixed) if fixed.get(k, 0) is not None}}
+        sources = {**sources, **dict.fromkeys((*KERNEL_MEASURES, *fixed), measured[2])}
     disagg = {**DISAGG_NEUTRAL, **defaults.get("disagg", {}), **s.get("disagg", {})}
     bad = sorted(k for k, v in disagg.items() if k not in DISAGG_NEUTRAL or not 0 < float(v) <= 2)
     if bad:
