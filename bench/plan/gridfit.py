@@ -150,6 +150,21 @@ def kernel_start(roofline: dict[str, float]) -> dict[str, float]:
     return {**scales, "layer_floor_us": 1.0}
 
 
+def start_params(kernels: bool) -> dict[str, float]:
+    """Where the fit starts: the roofline-only defaults as shipped, or (kernels) the fixed
+    start `kernel_start` maps them to (never what is shipped: the fit reproduces its output)."""
+    base = load_system("h200_sxm", kernels=False)
+    start = {**{k: base.efficiency[k] for k in EFFICIENCIES}, "step_overhead_ms": base.step_overhead_ms,
+             "allreduce_latency_us": base.allreduce_latency_us}
+    return {k: min(KERNEL_BOUNDS[k][1], v) for k, v in kernel_start(start).items()} if kernels else start
+
+
+def fit_params(fit_rows: list[dict[str, Any]], kernels: bool) -> dict[str, float]:
+    """The parameters fitted on `fit_rows`: kernel_scale, or the roofline-only efficiencies."""
+    return fit(fit_rows, start_params(kernels), loss=lambda r, q: _loss(r, q, kernels),
+               bounds=KERNEL_BOUNDS if kernels else None)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.plan.gridfit", description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", default=None, help="a grid file (default: the one shipped in bench.plan.data)")
@@ -160,21 +175,17 @@ def main(argv: list[str] | None = None) -> int:
     grid = load_grid(args.grid)
     fit_rows = [r for r in grid["cases"] if r["part"] == "fit"]  # not the guide case: it is checked, not fitted
     held = [r for r in grid["cases"] if r["part"] == "held-out"]
-    base = load_system("h200_sxm", kernels=False)
-    start = {**{k: base.efficiency[k] for k in EFFICIENCIES}, "step_overhead_ms": base.step_overhead_ms,
-             "allreduce_latency_us": base.allreduce_latency_us}
     kernels = not args.roofline_only
     label = "kernel_scale" if kernels else "efficiency (roofline-only)"
-    if kernels:  # from a fixed start (not from what is shipped): the fit reproduces what it printed
-        shipped_scale = data_file("systems.json")["defaults"].get("kernel_scale")
-        if shipped_scale:
-            print(f"{label} as shipped:")
-            print(_report("held-out", errors(held, shipped_scale, kernels)))
-        start = {k: min(KERNEL_BOUNDS[k][1], v) for k, v in kernel_start(start).items()}
+    shipped_scale = data_file("systems.json")["defaults"].get("kernel_scale")
+    if kernels and shipped_scale:
+        print(f"{label} as shipped:")
+        print(_report("held-out", errors(held, shipped_scale, kernels)))
+    start = start_params(kernels)
     print(f"before ({label} at the start):")
     print(_report("fit", errors(fit_rows, start, kernels)))
     print(_report("held-out", errors(held, start, kernels)))
-    got = fit(fit_rows, start, loss=lambda r, q: _loss(r, q, kernels), bounds=KERNEL_BOUNDS if kernels else None)
+    got = fit_params(fit_rows, kernels)
     print(f"fitted {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in got.items()))
     print(_report("fit", errors(fit_rows, got, kernels)))
     print(_report("held-out", errors(held, got, kernels)))

@@ -99,3 +99,18 @@ def test_the_step_takes_the_measured_all_reduce_at_its_tp_and_a_floor_per_layer(
     assert e.step_s(16, 2000) - floorless.step_s(16, 2000) == pytest.approx(model.layers * s.layer_floor_us * 1e-6)
     roofline = load_system("b200_sxm", kernels=False)
     assert roofline.layer_floor_us == 0.0 and roofline.allreduce_curve is None
+
+
+def test_the_shipped_kernel_scale_is_what_gridfit_fits_on_the_fit_part_alone():
+    """Provenance: `python -m bench.plan.gridfit` from its fixed start, on the fit part (no B200,
+    no 70B), gives the scales systems.json ships."""
+    from bench.plan import gridfit
+    from bench.plan.grid import HELD_OUT_MODEL, HELD_OUT_SYSTEM, load_grid
+
+    rows = [r for r in load_grid()["cases"] if r["part"] == "fit"]
+    assert rows and all(r["system"] != HELD_OUT_SYSTEM and r["model"] != HELD_OUT_MODEL for r in rows)
+    got = gridfit.fit_params(rows, kernels=True)
+    shipped_scale = data_file("systems.json")["defaults"]["kernel_scale"]
+    assert set(got) == set(shipped_scale)
+    for k, v in got.items():
+        assert v == pytest.approx(shipped_scale[k], abs=1e-3), k
