@@ -200,7 +200,9 @@ def test_decode_killed_mid_stream_errors_its_client_only_and_the_lease_frees_its
     try:
         wait_for(lambda: decode_busy(cluster, victim_worker) >= 1, 60, f"{victim_worker} has the request",
                  interval=0.05)
-        wait_for(lambda: metric(metrics(p), "pdserve_kv_held_blocks") > 0, LEASE_S,
+        # The prefill of LONG comes first (seconds on an AVX2-only CPU: it once took past the
+        # 6-s lease alone), then its blocks stay held for the paused reader until the lease ends.
+        wait_for(lambda: metric(metrics(p), "pdserve_kv_held_blocks") > 0, LEASE_S + 60,
                  f"prefill holding blocks for {victim_worker}", interval=0.05)
         t_kill = time.monotonic()
         cluster.kill(victim_worker)
