@@ -77,6 +77,7 @@ class PdWorker:
         # The holder's progress thread also runs while this engine's own READs are in flight.
         self.holder = Holder(self.leases, also_busy=self.reader.reading)
         self._idle = False  # this step's (PdConnectorMetadata.idle)
+        self._begun: PdConnectorMetadata | None = None  # the step whose holds and releases are taken
 
     # -- setup ------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -102,12 +103,23 @@ class PdWorker:
         self.reader.close()
 
     # -- per step -----------------------------------------------------------------------
-    def start_load_kv(self, meta: PdConnectorMetadata) -> None:
+    def begin_step(self, meta: PdConnectorMetadata) -> None:
+        """A step's holds and releases, taken when its metadata is bound: before its forward.
+        vLLM calls start_load_kv after the forward is launched, which on a CPU means after it
+        has run: a hold taken there waited for the whole next step (a batched prefill of 25 s
+        in a 1P+1D run here), and the decode worker asking for those blocks meanwhile was told
+        "not held yet" until it gave up and recomputed the prompt, stalling its decodes."""
+        if meta is self._begun:
+            return
+        self._begun = meta
         for rid, (nblocks, lease) in meta.holds.items():
             self.leases.hold(rid, nblocks, lease)
             self.stats.requests_held += 1
         for remote in meta.releases:
             self.reader.release(remote)
+
+    def start_load_kv(self, meta: PdConnectorMetadata) -> None:
+        self.begin_step(meta)  # a no-op once the metadata's bind took them
         self._idle = meta.idle
         for spec in meta.loads:
             self.reader.load(spec)

@@ -101,3 +101,22 @@ def test_stats_report_counts_holds_and_the_held_blocks_gauge():
     r = w.take_stats().reduce()  # a new report: counters start again from zero
     assert (r["requests_held"], r["blocks_released"], r["held_blocks"], r["lease_expiries"]) == (0, 0, 0, 1)
     w.shutdown()
+
+
+def test_holds_are_taken_when_the_step_is_bound_before_its_forward():
+    """vLLM binds a step's metadata before the forward and calls start_load_kv after it (on a
+    CPU, after it has run): a decode asking for a finished prefill's blocks during the next
+    step's forward must find them held, not "pending" until its acquire gives up."""
+    from kvtransfer.connector import PdConnector
+
+    w = make_worker(Clock())
+    c = PdConnector.__new__(PdConnector)  # the worker-role connector around `w`, without a VllmConfig
+    c._worker, c._scheduler = w, None
+    step = meta(holds={"r1": (4, 10.0)})
+    assert w.leases.acquire("r1").status == "pending"
+    c.bind_connector_metadata(step)
+    assert w.leases.acquire("r1").status == "ok"  # during the forward
+    c.start_load_kv(None)  # after it: the same step's holds are not taken twice
+    assert w.stats.requests_held == 1
+    assert w.get_transfer_results(set())[0] == set() and w.stats.held_blocks == 4
+    w.shutdown()
