@@ -6,6 +6,8 @@
    a `pdserve.profile/1` that stands for the system (`pdserve plan --system profile.json`).
 2. The same stack at the prediction concurrencies (default 8 and 16), then a 1 prefill + 1
    decode stack at `--disagg-concurrency` (default 4 and 8).
+   `--profile DIR/profile.json` skips step 1 and predicts on an earlier run's calibration
+   (e.g. `--profile DIR/profile.json --predict --disagg-concurrency 4 8`: the 1P+1D points only).
 3. Per point, the predictions on that profile against the measured TTFT p50 and inter-token
    latency p50 (TPOT), and their errors (the target is 15%): the same closed loop through
    the simulator (`pdserve sim` on the profile, what `plan --simulate` runs), the planner's
@@ -62,6 +64,8 @@ def run(args: argparse.Namespace) -> int:
     from serve.auth import token_headers
     from serve.model import resolve_model
 
+    if args.profile is not None and not Path(args.profile).is_file():
+        raise SystemExit(f"cpucheck: --profile {args.profile}: no such file")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     model = resolve_model(None)
     out = Path(args.out)
@@ -83,27 +87,39 @@ def run(args: argparse.Namespace) -> int:
         return _real(url, model, out / name, [*_workload("fixed", None, max(8, args.rounds * c), c),
                                               "--num-warmup-requests", str(c)], workers, token)
 
-    profile = out / "profile.json"
+    def engine_info(worker: str) -> dict[str, Any]:
+        return httpx.get(f"{worker}/info", headers=token_headers(token), timeout=10).json()
+
+    reused = args.profile is not None
+    profile = Path(args.profile) if reused else out / "profile.json"
+    calibrate = [] if reused else args.calibrate
     measured: dict[str, dict[str, float]] = {}
-    with Servers(log) as servers:
-        url, workers = up(servers, ["--mode", "agg", "--workers", "1"])
-        info = httpx.get(f"{workers[0]}/info", headers=token_headers(token), timeout=10).json()
-        budget = max(int(info["max_model_len"]), 2048)
-        for c in args.calibrate:
-            measured[f"agg c{c}"] = measure(url, workers, c, f"agg-c{c}")
-        # The calibration's engine steps, kept (a refit needs no engine): `bench calibrate --steps steps.json`.
-        reply = httpx.get(f"{workers[0]}/steps", headers=token_headers(token), timeout=30).json()
-        (out / "steps.json").write_text(json.dumps(reply) + "\n")
-        with contextlib.redirect_stdout(io.StringIO()):
-            calibrate_steps(workers, str(profile), token, system="this-machine")
-        for c in args.predict:
-            measured[f"agg c{c}"] = measure(url, workers, c, f"agg-c{c}")
-    with Servers(log) as servers:
-        url, workers = up(servers, ["--mode", "disagg", "--prefill", "1", "--decode", "1"])
-        for c in args.disagg_concurrency:
-            measured[f"1p1d c{c}"] = measure(url, workers, c, f"1p1d-c{c}")
-    doc["calibration"] = {"profile": str(profile), "concurrency": args.calibrate, "budget_tokens": budget,
-                          "fit": json.loads(profile.read_text())["source"]["fit"]}
+    info: dict[str, Any] = {}
+    if calibrate or args.predict:
+        with Servers(log) as servers:
+            url, workers = up(servers, ["--mode", "agg", "--workers", "1"])
+            info = engine_info(workers[0])
+            for c in calibrate:
+                measured[f"agg c{c}"] = measure(url, workers, c, f"agg-c{c}")
+            if calibrate:
+                # The calibration's engine steps, kept (a refit needs no engine): `bench calibrate --steps steps.json`.
+                reply = httpx.get(f"{workers[0]}/steps", headers=token_headers(token), timeout=30).json()
+                (out / "steps.json").write_text(json.dumps(reply) + "\n")
+                with contextlib.redirect_stdout(io.StringIO()):
+                    calibrate_steps(workers, str(profile), token, system="this-machine")
+            for c in args.predict:
+                measured[f"agg c{c}"] = measure(url, workers, c, f"agg-c{c}")
+    if args.disagg_concurrency:
+        with Servers(log) as servers:
+            url, workers = up(servers, ["--mode", "disagg", "--prefill", "1", "--decode", "1"])
+            info = info or engine_info(workers[-1])
+            for c in args.disagg_concurrency:
+                measured[f"1p1d c{c}"] = measure(url, workers, c, f"1p1d-c{c}")
+    if not info:
+        raise SystemExit("cpucheck: nothing to measure (no --predict and no --disagg-concurrency with --profile)")
+    budget = max(int(info["max_model_len"]), 2048)
+    doc["calibration"] = {"profile": str(profile), "reused": reused, "concurrency": calibrate,
+                          "budget_tokens": budget, "fit": json.loads(profile.read_text())["source"]["fit"]}
     engine = ["--sim-profile", str(profile), "--block-size", str(info["block_size"]), "--num-gpu-blocks",
               str(info["num_kv_blocks"]), "--max-num-seqs", "64", "--max-num-batched-tokens", str(budget),
               "--no-enable-chunked-prefill"]
@@ -117,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
                    _workload("fixed", None, max(8, args.rounds * c), c))
         pred["simulated"] = {"ttft_p50": sim["ttft_p50"], "itl_p50": sim["itl_p50"]}
         row: dict[str, Any] = {"measured": real, "predicted": pred,
-                               "role": "calibration" if mode == "agg" and c in args.calibrate else "prediction"}
+                               "role": "calibration" if mode == "agg" and c in calibrate else "prediction"}
         for model_name, p in pred.items():
             row[f"error_{model_name}"] = {m: round(p[m] / real[m] - 1, 4) for m in ("ttft_p50", "itl_p50")}
         doc["points"][key] = row
@@ -149,8 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.plan.cpucheck", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="artifacts/plan_cpucheck")
     p.add_argument("--calibrate", type=int, nargs="+", default=[1, 4], help="calibration concurrencies (default: 1 4)")
-    p.add_argument("--predict", type=int, nargs="+", default=[8, 16], help="aggregated predictions (default: 8 16)")
-    p.add_argument("--disagg-concurrency", type=int, nargs="+", default=[4, 8], help="1P+1D points (default: 4 8)")
+    p.add_argument("--predict", type=int, nargs="*", default=[8, 16],
+                   help="aggregated predictions (default: 8 16; none with the flag alone)")
+    p.add_argument("--disagg-concurrency", type=int, nargs="*", default=[4, 8],
+                   help="1P+1D points (default: 4 8; none with the flag alone)")
+    p.add_argument("--profile", help="an earlier run's profile.json: predict on it instead of calibrating "
+                                     "(--calibrate is then ignored)")
     p.add_argument("--rounds", type=int, default=6, help="requests per point = rounds x concurrency (default: 6)")
     return run(p.parse_args(argv))
 
