@@ -216,7 +216,7 @@ def load_system(name: str, kernels: bool = True) -> SystemSpec:
     measured = _kernel_efficiencies(name, defaults) if kernels and name in doc["systems"] else None
     if measured is not None and "efficiency" not in s:
         eff, fixed = {**eff, **measured[0]}, measured[1]
-        sources = {**sources, **dict.fromkeys((*KERNEL_MEASURES, *fixed), measured[2])}
+        sources = {**sources, **{k: measured[2] for k in (*KERNEL_MEASURES, *fixed) if fixed.get(k, 0) is not None}}
     disagg = {**DISAGG_NEUTRAL, **defaults.get("disagg", {}), **s.get("disagg", {})}
     bad = sorted(k for k, v in disagg.items() if k not in DISAGG_NEUTRAL or not 0 < float(v) <= 2)
     if bad:
