@@ -251,7 +251,7 @@ class ConnectorSettings(msgspec.Struct, frozen=True, kw_only=True):
     side_channel_bind_all: bool = False  # bind 0.0.0.0, still advertise side_channel_host
     lease_seconds: float = 30.0  # a held request's blocks are freed this long after it finished, if unread
     read_timeout_s: float = 30.0  # a READ not done this long after its acquire fails (recompute)
-    handshake_timeout_s: float = 5.0  # each side-channel call, and the wait for a pending hold
+    handshake_timeout_s: float = 5.0  # each side-channel call; a pending hold is awaited this long at least
     transport: str = "auto"  # rdma | shm | tcp | auto (kvtransfer.transport)
     transfer_mode: str = "auto"  # push | pull | auto (resolve_transfer_mode): how this engine reads as decode
     fault_pause_s: float = 0.0  # test-only: pause before each READ's acquire (never set in production)

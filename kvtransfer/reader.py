@@ -297,7 +297,11 @@ class Reader:
         except HandshakeError as exc:
             self._release_now(remote)  # nobody can read these blocks: free them at once
             raise TransferFailed(str(exc)) from exc
-        deadline = self.clock() + self.handshake_timeout_s
+        # "pending" means the prefill engine has not yet run the step that takes its hold (its
+        # blocks are already kept by vLLM's delayed free): worth waiting for, since a recompute
+        # costs this engine a whole prefill that stalls its other streams. Up to half the load's
+        # budget (the rest is left for the transfer), and never less than a handshake's timeout.
+        deadline = max(self.clock() + self.handshake_timeout_s, queued_at + self.read_timeout_s / 2)
         push = pair_mode(spec.mode or self.mode, peer.metadata.transfer_modes) == "push"
         while True:
             if push:

@@ -2,7 +2,7 @@
 sockets, no NIXL. Each test runs in both transfer modes.
 
 A load that cannot be read (holder says "gone", an incompatible holder, an acquire or push
-still "pending" at the handshake deadline) fails: it is reported finished and failed (vLLM
+still "pending" after half its budget) fails: it is reported finished and failed (vLLM
 then recomputes it) and counted in `failures` and `recomputes`."""
 
 from __future__ import annotations
@@ -105,13 +105,25 @@ def test_pending_is_retried_until_ok(mode):
     r.close()
 
 
-def test_pending_past_the_handshake_deadline_fails(mode):
+def test_pending_past_half_the_loads_budget_fails(mode):
     holder = Holder(["pending"])
     clock = Clock()
     r = make_reader(holder, clock, mode=mode)
     with pytest.raises(TransferFailed, match="answered pending"):
         r._prepare(spec(), clock())
-    assert clock.t >= 50.0 + 2.0  # waited out the handshake timeout, in virtual time
+    # Waited, in virtual time, for half the 5-s read timeout (longer than the 2-s handshake
+    # timeout) from when the load was queued, and no longer.
+    assert 50.0 + 2.5 <= clock.t < 50.0 + 2.5 + 0.1
+    r.close()
+
+
+def test_pending_waits_at_least_a_handshake_timeout_for_a_load_queued_long_ago(mode):
+    holder = Holder(["pending"])
+    clock = Clock()
+    r = make_reader(holder, clock, mode=mode)
+    with pytest.raises(TransferFailed, match="answered pending"):
+        r._prepare(spec(), clock() - 4.0)  # queued 4 s ago: half the budget is spent
+    assert 50.0 + 2.0 <= clock.t < 50.0 + 2.0 + 0.1
     r.close()
 
 

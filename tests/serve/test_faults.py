@@ -187,31 +187,38 @@ def test_decode_killed_mid_stream_errors_its_client_only_and_the_lease_frees_its
     before = metrics(p)
     expired = metric(before, "pdserve_kv_lease_expiries_total")
     holds = metric(before, "pdserve_kv_held_requests_total")
-    survivor: list[str] = []
-    started = threading.Event()
-    t_ok = threading.Thread(target=stream_events, args=(cluster, QUESTION, 64, survivor, started))
-    t_ok.start()
-    # Which decode worker took the first stream? The other one (least loaded) takes the next.
-    keeper = wait_for(lambda: next((n for n in ("decode1", "decode2") if decode_busy(cluster, n) >= 1), None), 60,
-                      "the first stream on a decode worker", interval=0.05)
-    victim_worker = "decode2" if keeper == "decode1" else "decode1"
-    cluster.pause_file(victim_worker).write_text("90")  # held before its READ: the prefill worker holds blocks for it
+    decoders = ("decode1", "decode2")
+    # The victim's request first, with both decode workers paused before their READs: whichever
+    # takes it holds it unread while the prefill worker holds its blocks. (The survivor went
+    # first once, and on CI its 64 tokens ended before the victim's long prefill did: the victim
+    # then went to the survivor's worker, not the other one.)
+    for name in decoders:
+        cluster.pause_file(name).write_text("90")
     victim: list[str] = []
     t_bad = threading.Thread(target=stream_events, args=(cluster, LONG, 48, victim))
     t_bad.start()
+    survivor: list[str] = []
+    started = threading.Event()
+    t_ok = threading.Thread(target=stream_events, args=(cluster, QUESTION, 64, survivor, started))
     try:
-        wait_for(lambda: decode_busy(cluster, victim_worker) >= 1, 60, f"{victim_worker} has the request",
-                 interval=0.05)
-        # The decode worker has it, so its prefill is done and the prefill worker holds its blocks
-        # for the paused reader. Counted holds, not the held-blocks gauge: the gauge is > 0 only
-        # until the 6-s lease ends, and under load (CI, with the unit tests on the other core)
-        # polling two workers' /metrics once took past that window.
-        wait_for(lambda: metric(metrics(p), "pdserve_kv_held_requests_total") >= holds + 2, 60,
-                 f"prefill holding blocks for both streams ({victim_worker}'s unread)", interval=0.05)
+        victim_worker = wait_for(lambda: next((n for n in decoders if decode_busy(cluster, n) >= 1), None), 120,
+                                 "the victim's request on a decode worker", interval=0.05)
+        keeper = "decode2" if victim_worker == "decode1" else "decode1"
+        cluster.pause_file(keeper).unlink()
+        # The victim's decode worker has it, so its prefill is done and the prefill worker holds
+        # its blocks for the paused reader. Counted holds, not the held-blocks gauge: the gauge is
+        # > 0 only until the 6-s lease ends, and under load (CI, with the unit tests on the other
+        # core) polling two workers' /metrics once took past that window.
+        wait_for(lambda: metric(metrics(p), "pdserve_kv_held_requests_total") >= holds + 1, 60,
+                 f"prefill holding blocks for {victim_worker}'s unread request", interval=0.05)
+        t_ok.start()  # the least loaded decode worker, the keeper, takes it
+        assert started.wait(120), "the survivor's stream never started"
+        assert decode_busy(cluster, keeper) >= 1, "the survivor's stream is not on the other decode worker"
         t_kill = time.monotonic()
         cluster.kill(victim_worker)
     finally:
-        cluster.pause_file(victim_worker).unlink()
+        for name in decoders:
+            cluster.pause_file(name).unlink(missing_ok=True)
     t_bad.join(120)
     error_after = time.monotonic() - t_kill
     t_ok.join(120)
