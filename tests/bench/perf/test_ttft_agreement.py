@@ -34,3 +34,18 @@ def test_the_quantile_of_a_run_ignores_what_came_before_it():
     assert quantile(before, after, 0.9) == pytest.approx(1.0, rel=0.09)
     assert quantile(after, after, 0.5) is None  # nothing observed in between
     assert quantile({}, after, 1.0) == pytest.approx(5.0)  # with no baseline the earlier run counts too
+
+
+def test_the_mean_prompt_length_of_a_run_comes_from_the_histograms_sum_and_count(monkeypatch):
+    import httpx
+
+    from bench.perf import ttft_agreement
+
+    m = FrontendMetrics()
+    monkeypatch.setattr(httpx, "get", lambda url, timeout: httpx.Response(200, text=m.render().decode()))
+    m.isl.observe(1000)  # before the run
+    s0, c0 = ttft_agreement.sum_count("http://frontend", ttft_agreement.ISL)
+    for n in (100, 140, 120):
+        m.isl.observe(n)
+    s1, c1 = ttft_agreement.sum_count("http://frontend", ttft_agreement.ISL)
+    assert (c1 - c0, (s1 - s0) / (c1 - c0)) == (3, pytest.approx(120.0))
