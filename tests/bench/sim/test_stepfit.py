@@ -8,6 +8,7 @@ import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -126,3 +127,20 @@ def test_one_prompt_length_and_few_batch_sizes_leave_tokens_linear_and_pairs_to_
     assert step.prefill_pair_s * 256 * 257 / 2 < 0.05 * step.step_seconds([], [(0, 256)])
     # A prompt of another length, from the tokens alone.
     assert step.step_seconds([], [(0, 128)]) == pytest.approx(true.step_seconds([], [(0, 128)]), rel=0.1)
+
+
+def test_prompts_priced_per_token_past_the_largest_step_when_decodes_dominate_the_records():
+    """The calibration steps of a CPU check on a 2-core AVX-512 EPYC (2026-12-08, `python -m
+    bench.plan.cpucheck`, its `steps.json` as [seconds, decode contexts, prefill chunks]): 882
+    decode steps of 1 and 4 sequences (25-29 ms: weight-bound, a decode's seconds per token is
+    ~30x a prompt's) and 14 steps with 256-token prompts (one, two or three at once, ~210 ms a
+    prompt). The smoothing prior's scale came from every step's seconds per token, a decode's,
+    and was then 30x too weak: tokens() bent steep to 512 tokens and flat to 1024, so 8 prompts
+    cost what 4 did (the check's c8 and c16 TTFT -62% and -82%)."""
+    data = json.loads((Path(__file__).parent / "data" / "cpucheck_avx512_steps.json").read_text())
+    step, report = fit([(s, d, p) for s, d, p in data])
+    assert report["steps"] == 901 and report["max_step_tokens"] == 769
+    one, two, three, four, eight = (step.step_seconds([], [(0, 256)] * n) for n in (1, 2, 3, 4, 8))
+    assert 0.18 < one < 0.27  # what the steps say: ~210 ms a prompt, alone or with others
+    assert two / one > 1.8 and three / one > 2.6
+    assert four / one > 3.2 and eight / four > 1.7  # past the largest step: still per token (was 2.7 and 1.0)
