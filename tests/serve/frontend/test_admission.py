@@ -192,9 +192,10 @@ def test_frontend_refuses_a_flood_with_429_and_serves_what_it_accepted(sim_worke
         while True:  # the listener closes at once
             try:
                 httpx.get(f"{url}/v1/models", timeout=2)
-            except (httpx.ConnectError, httpx.RemoteProtocolError):
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError):
                 # Refused, or (a connection the kernel queued just before the listener closed)
-                # dropped unanswered: either way no new request is served.
+                # dropped unanswered, or reset (ECONNRESET: seen once in the suite): either way
+                # no new request is served.
                 break
             assert time.monotonic() < deadline, "still accepting connections after SIGTERM"
             time.sleep(0.1)
