@@ -18,6 +18,7 @@ can trust) is agreement within 3%.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import secrets
@@ -117,6 +118,7 @@ def _run(cmd: list[str], log: Path, timeout: float) -> None:
         raise PerfError(f"{Path(cmd[0]).name} {' '.join(cmd[1:3])} failed (exit {proc.returncode}); log {log}: {tail}")
 
 
+@functools.lru_cache(maxsize=4)
 def template_tokens(tokenizer: str) -> int:
     """Tokens the chat template adds to a user message's content under `tokenizer`."""
     from bench.loadgen.prompts import PromptBuilder

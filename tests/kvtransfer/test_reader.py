@@ -105,25 +105,17 @@ def test_pending_is_retried_until_ok(mode):
     r.close()
 
 
-def test_pending_past_half_the_loads_budget_fails(mode):
+@pytest.mark.parametrize("queued_ago, waits", [(0.0, 2.5), (4.0, 2.0)])
+def test_pending_fails_after_half_the_loads_budget_or_at_least_a_handshake_timeout(mode, queued_ago, waits):
+    """A load queued just now waits, in virtual time, for half the 5-s read timeout (longer than
+    the 2-s handshake timeout); one queued 4 s ago, half its budget spent, still waits a
+    handshake timeout. No longer in either case."""
     holder = Holder(["pending"])
     clock = Clock()
     r = make_reader(holder, clock, mode=mode)
     with pytest.raises(TransferFailed, match="answered pending"):
-        r._prepare(spec(), clock())
-    # Waited, in virtual time, for half the 5-s read timeout (longer than the 2-s handshake
-    # timeout) from when the load was queued, and no longer.
-    assert 50.0 + 2.5 <= clock.t < 50.0 + 2.5 + 0.1
-    r.close()
-
-
-def test_pending_waits_at_least_a_handshake_timeout_for_a_load_queued_long_ago(mode):
-    holder = Holder(["pending"])
-    clock = Clock()
-    r = make_reader(holder, clock, mode=mode)
-    with pytest.raises(TransferFailed, match="answered pending"):
-        r._prepare(spec(), clock() - 4.0)  # queued 4 s ago: half the budget is spent
-    assert 50.0 + 2.0 <= clock.t < 50.0 + 2.0 + 0.1
+        r._prepare(spec(), clock() - queued_ago)
+    assert 50.0 + waits <= clock.t < 50.0 + waits + 0.1
     r.close()
 
 
